@@ -1,0 +1,209 @@
+"""Load generator: fires token-id prompts at an SGLang-style /generate endpoint and records each.
+
+It owns concurrency (exactly `concurrency` requests in flight, closed loop), timing (TTFT, ITL,
+TPOT, E2E) and error capture; it knows nothing about configs, services or result files. A failed
+request never raises: it becomes a RequestRecord with ok=False and the reason in `error`.
+
+Streaming follows SGLang: SSE lines `data: {json}` whose output_ids/meta_info are cumulative,
+ending with `data: [DONE]`. Incremental chunks (SGLang's --incremental-streaming-output) are
+recognised by their length and accumulated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ddtree.errors import ConfigError
+
+MAX_ERROR_BODY = 500  # characters of an error body kept in a record
+
+
+@dataclass
+class RequestRecord:
+    """What one request did. Times are seconds; `started_at` is wall-clock (time.time())."""
+
+    ok: bool
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # first chunk that brought tokens (streaming only)
+    e2e_s: float | None = None  # send to last byte, also set for failures (time spent)
+    itl_s: list[float] = field(default_factory=list)  # gaps between chunks that brought tokens
+    tpot_s: float | None = None  # (e2e - ttft) / (completion - 1); None below 2 tokens
+    spec_verify_ct: int | None = None  # verify rounds; None when the server does not speculate
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    started_at: float = 0.0
+
+
+def _check_args(prompts: Sequence[Sequence[int]], concurrency: int, max_new_tokens: int,
+                timeout_s: float) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"concurrency: {concurrency!r} must be an integer >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens: {max_new_tokens!r} must be an integer >= 1")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s: {timeout_s!r} must be > 0 seconds")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompts[{i}]: empty prompt; every prompt needs >= 1 token id")
+
+
+def _finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        return reason.get("type")
+    return reason if isinstance(reason, str) else None
+
+
+def _apply_meta(record: RequestRecord, meta: dict[str, Any]) -> None:
+    if "prompt_tokens" in meta:
+        record.prompt_tokens = int(meta["prompt_tokens"])
+    if meta.get("spec_verify_ct") is not None:
+        record.spec_verify_ct = int(meta["spec_verify_ct"])
+    if meta.get("finish_reason") is not None:
+        record.finish_reason = _finish_reason(meta)
+
+
+def _finish(record: RequestRecord, t0: float) -> None:
+    record.e2e_s = time.perf_counter() - t0
+    n = record.completion_tokens
+    if record.ttft_s is not None and n > 1:
+        record.tpot_s = (record.e2e_s - record.ttft_s) / (n - 1)
+
+
+def _error_text(err: BaseException, timeout_s: float) -> str:
+    if isinstance(err, (httpx.TimeoutException, TimeoutError)):
+        return f"timeout after {timeout_s:g} s ({type(err).__name__})"
+    if isinstance(err, httpx.ConnectError):
+        return f"connection error: {err}"
+    return f"{type(err).__name__}: {err}"
+
+
+async def _send_plain(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      record: RequestRecord) -> None:
+    response = await client.post(url, json=body)
+    if response.status_code != 200:
+        record.error = f"HTTP {response.status_code}: {response.text[:MAX_ERROR_BODY]}"
+        return
+    data = response.json()
+    meta = data.get("meta_info") or {}
+    record.output_ids = list(data.get("output_ids") or [])
+    record.completion_tokens = int(meta.get("completion_tokens", len(record.output_ids)))
+    _apply_meta(record, meta)
+    record.ok = True
+
+
+async def _send_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       record: RequestRecord, t0: float) -> None:
+    last_token_at: float | None = None
+    done = False
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode("utf-8", "replace")
+            record.error = f"HTTP {response.status_code}: {text[:MAX_ERROR_BODY]}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators and SSE comments
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                record.error = f"stream error: {json.dumps(chunk['error'])[:MAX_ERROR_BODY]}"
+                return
+            now = time.perf_counter()
+            meta = chunk.get("meta_info") or {}
+            ids = list(chunk.get("output_ids") or [])
+            count = int(meta.get("completion_tokens", len(ids)))
+            if count > record.completion_tokens:
+                # Cumulative chunks replace; incremental ones carry only the new tokens.
+                if len(ids) == count:
+                    record.output_ids = ids
+                elif len(ids) == count - record.completion_tokens:
+                    record.output_ids.extend(ids)
+                record.completion_tokens = count
+                if last_token_at is None:
+                    record.ttft_s = now - t0
+                else:
+                    record.itl_s.append(now - last_token_at)
+                last_token_at = now
+            _apply_meta(record, meta)
+    if not done:
+        record.error = "stream ended without 'data: [DONE]'"
+        return
+    record.ok = True
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: Sequence[int],
+               sampling: dict[str, Any], stream: bool, timeout_s: float) -> RequestRecord:
+    body = {"input_ids": list(prompt), "sampling_params": sampling, "stream": stream}
+    record = RequestRecord(ok=False, prompt_tokens=len(prompt), started_at=time.time())
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):  # bounds the whole request, stream included
+            if stream:
+                await _send_stream(client, url, body, record, t0)
+            else:
+                await _send_plain(client, url, body, record)
+    except (httpx.HTTPError, TimeoutError, OSError, ValueError, KeyError, TypeError) as err:
+        # ValueError covers bad JSON from the server; a broken answer is a failed request.
+        record.ok = False
+        record.error = _error_text(err, timeout_s)
+    if not record.ok and record.error is None:
+        record.error = "no answer"
+    _finish(record, t0)
+    return record
+
+
+async def run_requests(
+    base_url: str,
+    prompts: Sequence[Sequence[int]],
+    concurrency: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    stream: bool = True,
+    timeout_s: float = 600,
+    seed: int | None = None,
+) -> list[RequestRecord]:
+    """Send every prompt once, keeping `concurrency` in flight; records in prompt order.
+
+    Each request is bounded by `timeout_s` (connect to last byte), so the whole run takes at most
+    ceil(len(prompts) / concurrency) * timeout_s. With `seed`, request i samples with seed + i.
+    """
+    _check_args(prompts, concurrency, max_new_tokens, timeout_s)
+    url = base_url.rstrip("/") + "/generate"
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(timeout_s)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+
+        async def gated(i: int, prompt: Sequence[int]) -> RequestRecord:
+            sampling: dict[str, Any] = {
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "ignore_eos": ignore_eos,
+            }
+            if seed is not None:
+                sampling["seed"] = seed + i
+            async with gate:
+                return await _one(client, url, prompt, sampling, stream, timeout_s)
+
+        return list(await asyncio.gather(*(gated(i, p) for i, p in enumerate(prompts))))
+
+
+def run_load(base_url: str, prompts: Sequence[Sequence[int]], concurrency: int,
+             max_new_tokens: int, **kwargs: Any) -> list[RequestRecord]:
+    """Synchronous wrapper of run_requests (starts its own event loop; not for use inside one)."""
+    return asyncio.run(run_requests(base_url, prompts, concurrency, max_new_tokens, **kwargs))

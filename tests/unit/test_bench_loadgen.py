@@ -1,0 +1,206 @@
+"""The load generator against a small in-process /generate server on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ddtree.bench.loadgen import RequestRecord, run_load, run_requests
+from ddtree.errors import ConfigError
+
+FAIL_TOKEN = 666  # a prompt starting with it gets HTTP 500
+HANG_TOKEN = 777  # a prompt starting with it never answers
+TOKENS_PER_CHUNK = 3  # like speculative decoding: several tokens per streamed chunk
+STEP_S = 0.01
+
+
+class FakeState:
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.seen: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+
+def make_app(state: FakeState) -> FastAPI:
+    app = FastAPI()
+
+    def meta(prompt: list[int], n: int, done: bool, max_new: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n,
+            "spec_verify_ct": -(-n // TOKENS_PER_CHUNK),
+            "finish_reason": {"type": "length", "length": max_new} if done else None,
+        }
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        body = await request.json()
+        state.seen.append(body)
+        prompt = body["input_ids"]
+        max_new = body["sampling_params"]["max_new_tokens"]
+        if prompt[0] == FAIL_TOKEN:
+            return JSONResponse({"error": "boom: prompt rejected"}, status_code=500)
+        with state.lock:
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
+
+        def leave() -> None:
+            with state.lock:
+                state.in_flight -= 1
+
+        if prompt[0] == HANG_TOKEN:
+            try:
+                await asyncio.sleep(30)
+            finally:
+                leave()
+        output = [(prompt[0] + i) % 1000 for i in range(max_new)]
+        if not body.get("stream"):
+            try:
+                await asyncio.sleep(STEP_S * 3)
+            finally:
+                leave()
+            return {"text": "", "output_ids": output, "meta_info": meta(prompt, max_new, True, max_new)}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                n = 0
+                while n < max_new:
+                    await asyncio.sleep(STEP_S)
+                    n = min(n + TOKENS_PER_CHUNK, max_new)
+                    chunk = {"text": "", "output_ids": output[:n],
+                             "meta_info": meta(prompt, n, n == max_new, max_new)}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                leave()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[tuple[str, FakeState]]:
+    state = FakeState()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(make_app(state), log_level="error", lifespan="off", ws="none",
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "fake server did not start in 10 s"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def server(fake_server: tuple[str, FakeState]) -> tuple[str, FakeState]:
+    url, state = fake_server
+    state.max_in_flight = 0
+    state.seen.clear()
+    return url, state
+
+
+def test_streaming_keeps_exactly_concurrency_in_flight(server: tuple[str, FakeState]) -> None:
+    url, state = server
+    prompts = [[i + 1, 2, 3] for i in range(12)]
+    records = run_load(url, prompts, concurrency=4, max_new_tokens=10, timeout_s=20)
+    assert state.max_in_flight == 4, f"max in flight {state.max_in_flight}, limit 4"
+    assert all(r.ok for r in records), [r.error for r in records]
+    r = records[0]
+    assert r.completion_tokens == 10 and r.prompt_tokens == 3
+    assert r.output_ids == [(1 + i) % 1000 for i in range(10)]
+    assert r.finish_reason == "length"
+    assert r.spec_verify_ct == 4  # ceil(10 / 3)
+    # 10 tokens in chunks of 3 -> 4 chunks bring tokens -> 3 gaps.
+    assert len(r.itl_s) == 3 and all(g > 0 for g in r.itl_s)
+    assert r.ttft_s is not None and r.e2e_s is not None and 0 < r.ttft_s < r.e2e_s
+    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 9)
+    sent = state.seen[0]
+    assert sent["stream"] is True
+    assert sent["sampling_params"] == {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_concurrency_one_is_sequential(server: tuple[str, FakeState]) -> None:
+    url, state = server
+    records = run_load(url, [[5, 6]] * 3, concurrency=1, max_new_tokens=4, timeout_s=20)
+    assert state.max_in_flight == 1
+    starts = [r.started_at for r in records]
+    assert starts == sorted(starts)
+
+
+def test_non_streaming_and_seed(server: tuple[str, FakeState]) -> None:
+    url, state = server
+    records = run_load(url, [[7, 8], [9, 10]], concurrency=2, max_new_tokens=5, stream=False,
+                       seed=100, temperature=0.5, timeout_s=20)
+    assert [r.completion_tokens for r in records] == [5, 5]
+    assert records[1].output_ids == [9, 10, 11, 12, 13]
+    assert records[0].ttft_s is None and records[0].tpot_s is None and records[0].e2e_s
+    seeds = sorted(b["sampling_params"]["seed"] for b in state.seen)
+    assert seeds == [100, 101]
+
+
+def test_failures_are_recorded_not_raised(server: tuple[str, FakeState]) -> None:
+    url, _ = server
+    prompts = [[1, 2], [FAIL_TOKEN, 1], [HANG_TOKEN, 1], [3, 4]]
+    t0 = time.monotonic()
+    records = run_load(url, prompts, concurrency=4, max_new_tokens=4, timeout_s=1.0)
+    assert time.monotonic() - t0 < 10, "a hung request was not bounded by timeout_s"
+    assert [r.ok for r in records] == [True, False, False, True]
+    assert records[1].error is not None and "HTTP 500" in records[1].error and "boom" in records[1].error
+    assert records[2].error is not None and "timeout" in records[2].error
+    assert records[2].e2e_s is not None and records[2].e2e_s >= 1.0
+
+
+def test_connection_error_is_recorded() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    records = run_load(f"http://127.0.0.1:{port}", [[1]], concurrency=1, max_new_tokens=2,
+                       timeout_s=5)
+    assert not records[0].ok
+    assert records[0].error is not None and "connection error" in records[0].error
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        pytest.param({"concurrency": 0}, "concurrency", id="zero-concurrency"),
+        pytest.param({"max_new_tokens": 0}, "max_new_tokens", id="zero-max-new-tokens"),
+        pytest.param({"timeout_s": 0}, "timeout_s", id="zero-timeout"),
+        pytest.param({"prompts": [[]]}, "prompts[0]", id="empty-prompt"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"prompts": [[1]], "concurrency": 1, "max_new_tokens": 1, "timeout_s": 5}
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        asyncio.run(run_requests("http://127.0.0.1:9", **args))
+
+
+def test_record_defaults() -> None:
+    record = RequestRecord(ok=False)
+    assert record.itl_s == [] and record.output_ids == [] and record.spec_verify_ct is None
