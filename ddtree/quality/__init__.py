@@ -1,0 +1,31 @@
+"""Coding-quality machinery, independent of models: pass@k, a sandboxed program checker, HumanEval."""
+
+from ddtree.quality.humaneval import (
+    GateReport,
+    Problem,
+    ProblemResult,
+    build_program,
+    gate_problem_ids,
+    gate_problems,
+    load_problems,
+    run_gate,
+    truncate_completion,
+)
+from ddtree.quality.passk import mean_pass_at_k, pass_at_k
+from ddtree.quality.sandbox import Outcome, check_program
+
+__all__ = [
+    "GateReport",
+    "Outcome",
+    "Problem",
+    "ProblemResult",
+    "build_program",
+    "check_program",
+    "gate_problem_ids",
+    "gate_problems",
+    "load_problems",
+    "mean_pass_at_k",
+    "pass_at_k",
+    "run_gate",
+    "truncate_completion",
+]

