@@ -1,0 +1,278 @@
+"""The DFlash block-diffusion drafter (z-lab `DFlashDraftModel` layout) and its windowed context cache.
+
+Every drafter layer attends, from the block [bonus, MASK, ...], to keys/values built from
+(a) the fused target context hidden_norm(fc(concat(taps))) and (b) the block itself; the block
+is bidirectional and sees every stored context position. Embedding and output head are the
+target's (shared, frozen). The context K/V (projected, k-normed, rotated at their own absolute
+positions) live in a `DraftContext` ring buffer holding the last `window` positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.models.configs import DrafterConfig, TargetConfig
+from ddtree.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from ddtree.models.target import Target
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def query(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # h[bs, n, D] -> q[bs, H, n, d]
+        bs, n, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(bs, n, self.n_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def key_value(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # h[bs, n, D] -> k, v [bs, KV, n, d]; used for both the fused context and the block
+        bs, n, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(bs, n, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(bs, n, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        bs, _, n, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DraftContext:
+    """Per-layer context K/V of the drafter: a ring buffer of the last `capacity` positions per row.
+
+    k/v: [layers, bs, kv_heads, capacity + 1, head_dim]; the extra last slot is a write sink for
+    rows that are padding or already pushed out of the window, so every write is one vectorised
+    index_put with no duplicate live slots. Position p of a row (its p-th appended context row)
+    lives at slot p % capacity. Order inside the ring does not matter: the block attends to all
+    stored slots without a causal order.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int | None, capacity: int) -> None:
+        self.k, self.v = k, v
+        self.window = window
+        self.capacity = capacity
+        self.total = torch.zeros(k.shape[1], dtype=torch.long, device=k.device)  # [bs] rows appended so far
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """[bs] how many context positions each row holds (min(total, capacity))."""
+        return self.total.clamp(max=self.capacity)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget the context of rows[bs] bool (a batch slot handed to a new request)."""
+        self.total.masked_fill_(rows.to(self.total.device), 0)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig, target: Target) -> None:
+        super().__init__()
+        check_fit(config, target.config)
+        self.config = config
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        # the target is shared, not owned: keep it out of parameters(), state_dict() and .to()
+        object.__setattr__(self, "target", target)
+
+    target: Target
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def tap_layers(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    # -- context -----------------------------------------------------------------------------
+    def new_context(self, batch: int, window: int | None, max_len: int) -> DraftContext:
+        """An empty context for `batch` rows keeping the last `window` positions (None: up to max_len)."""
+        if window is not None and window < 1:
+            raise ConfigError(f"draft_window: must be >= 1 or None, got {window}")
+        if max_len < 1:
+            raise ConfigError(f"max_len: must be >= 1, got {max_len}")
+        cap = max_len if window is None else min(window, max_len)
+        c = self.config
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, cap + 1, c.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return DraftContext(k, torch.zeros_like(k), window, cap)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps[..., T*D] -> fused context hidden_norm(fc(taps)) [..., D]."""
+        return self.hidden_norm(self.fc(taps.to(self.dtype)))
+
+    def append_context(
+        self, ctx: DraftContext, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """Add taps[bs, m, T*D] at positions[bs, m]; only the first counts[b] rows of row b are real.
+
+        Vectorised, no host sync. If counts[b] exceeds the capacity, only its last `capacity`
+        rows are kept (the earlier ones would be overwritten anyway).
+        """
+        bs, m, _ = taps.shape
+        device = ctx.k.device
+        counts = counts.to(device=device, dtype=torch.long)
+        j = torch.arange(m, device=device)[None, :]  # [1, m]
+        live = (j < counts[:, None]) & (j >= counts[:, None] - ctx.capacity)  # [bs, m]
+        slots = torch.where(live, (ctx.total[:, None] + j) % ctx.capacity, ctx.capacity)  # [bs, m]
+        rows = torch.arange(bs, device=device)[:, None]
+        fused = self.fuse(taps)  # [bs, m, D]
+        cos, sin = self.rotary(positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(fused, cos, sin)  # [bs, KV, m, d]
+            ctx.k[i][rows, :, slots] = k.transpose(1, 2)
+            ctx.v[i][rows, :, slots] = v.transpose(1, 2)
+        ctx.total += counts
+
+    # -- drafting ----------------------------------------------------------------------------
+    def forward(
+        self, ctx: DraftContext, block_ids: torch.Tensor, start: torch.Tensor, ctx_len_hint: int | None = None
+    ) -> torch.Tensor:
+        """block_ids[bs, block] = [bonus, MASK...] at positions start[b].. -> logits[bs, block-1, V] float32.
+
+        ctx_len_hint: optional python int >= max stored context, to bound the attention
+        (default: exact on the CPU, the full capacity on an accelerator).
+        """
+        bs, block = block_ids.shape
+        if block < 2:
+            raise ConfigError(f"block_size: must be >= 2 (bonus + at least one draft position), got {block}")
+        device = block_ids.device
+        stored = ctx.stored  # [bs]
+        if ctx_len_hint is not None:
+            n_ctx = min(ctx_len_hint, ctx.capacity)
+        elif stored.device.type == "cpu":
+            n_ctx = int(stored.max())
+        else:
+            n_ctx = ctx.capacity
+        ctx_ok = torch.arange(n_ctx, device=device)[None, :] < stored[:, None]  # [bs, S]
+        mask = torch.cat(
+            [ctx_ok[:, None, :].expand(bs, block, n_ctx), torch.ones(bs, block, block, dtype=torch.bool, device=device)],
+            dim=-1,
+        )[:, None]  # [bs, 1, block, S + block]
+        positions = start.to(device)[:, None] + torch.arange(block, device=device)[None, :]  # [bs, block]
+        cos, sin = self.rotary(positions, self.dtype)
+        x = self.target.embed(block_ids).to(self.dtype)  # [bs, block, D]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.query(h, cos, sin)
+            kb, vb = attn.key_value(h, cos, sin)
+            k = torch.cat([ctx.k[i, :, :, :n_ctx], kb], dim=2)
+            v = torch.cat([ctx.v[i, :, :, :n_ctx], vb], dim=2)
+            x = x + attn.out(attend(q, k, v, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype))
+
+    def forward_train(
+        self,
+        taps: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        block_size: int,
+        window: int | None,
+    ) -> torch.Tensor:
+        """taps[bs, T, T*D], input_ids[bs, T], anchors[bs, A] -> logits[bs, A, block_size-1, V] float32.
+
+        The block at anchor a is [input_ids[a], MASK...] at positions a..a+block_size-1; it sees
+        context positions max(0, a - window) <= p < a and itself (bidirectionally), never another
+        block. One attention over all blocks with a mask.
+        """
+        if block_size < 2:
+            raise ConfigError(f"block_size: must be >= 2, got {block_size}")
+        bs, n = input_ids.shape
+        n_anchor = anchors.shape[1]
+        device = input_ids.device
+        fused = self.fuse(taps)  # [bs, T, D]
+        ctx_pos = torch.arange(n, device=device)[None, :].expand(bs, n)
+        ctx_cos, ctx_sin = self.rotary(ctx_pos, self.dtype)
+
+        offs = torch.arange(block_size, device=device)
+        ids = torch.full((bs, n_anchor, block_size), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+        blk_pos = (anchors[:, :, None] + offs).reshape(bs, n_anchor * block_size)  # [bs, A*blk]
+        cos, sin = self.rotary(blk_pos, self.dtype)
+
+        p = torch.arange(n, device=device)[None, None, :]  # [1, 1, T]
+        a = anchors[:, :, None]  # [bs, A, 1]
+        see_ctx = p < a
+        if window is not None:
+            see_ctx &= p >= a - window
+        see_ctx = see_ctx[:, :, None, :].expand(bs, n_anchor, block_size, n).reshape(bs, n_anchor * block_size, n)
+        blk_id = torch.arange(n_anchor * block_size, device=device) // block_size
+        see_blk = (blk_id[:, None] == blk_id[None, :])[None].expand(bs, -1, -1)
+        mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]  # [bs, 1, A*blk, T + A*blk]
+
+        x = self.target.embed(ids.reshape(bs, -1)).to(self.dtype)  # [bs, A*blk, D]
+        for layer in self.layers:
+            attn = layer.self_attn
+            kc, vc = attn.key_value(fused, ctx_cos, ctx_sin)
+            h = layer.input_layernorm(x)
+            q = attn.query(h, cos, sin)
+            kb, vb = attn.key_value(h, cos, sin)
+            o = attend(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
+            x = x + attn.out(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x.view(bs, n_anchor, block_size, -1)[:, :, 1:]
+        return self.target.lm_head(self.norm(x).to(self.target.dtype))
+
+
+def check_fit(cfg: DrafterConfig, target: TargetConfig, where: str = "drafter") -> None:
+    """Raise ModelLoadError unless the drafter can run on this target (before any tensor is read)."""
+    if cfg.hidden_size != target.hidden_size:
+        raise ModelLoadError(
+            f"{where}: hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size} "
+            "(the drafter shares the target's embedding and lm_head)"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise ModelLoadError(f"{where}: vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
+    n = target.num_hidden_layers
+    for t in cfg.target_layer_ids:
+        if not 0 <= t < n:
+            raise ModelLoadError(
+                f"{where}: dflash_config.target_layer_ids contains {t}, outside the target's layers [0, {n - 1}]"
+            )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ModelLoadError(
+            f"{where}: dflash_config.mask_token_id {cfg.mask_token_id} is outside the vocabulary [0, {target.vocab_size - 1}]"
+        )
+
+
+def init_drafter(config: DrafterConfig, target: Target, seed: int | None = None) -> DFlashDrafter:
+    """A randomly initialised drafter on the target's device and dtype."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    model = DFlashDrafter(config, target)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(device=target.device, dtype=target.dtype)

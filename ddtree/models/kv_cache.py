@@ -1,0 +1,96 @@
+"""The target's preallocated, compactable KV cache (per-row lengths, no decoding policy).
+
+Buffers are [layers, bs, kv_heads, max_len, head_dim] so shapes stay static. A forward writes its
+q new rows at slots lengths[b] + j without advancing; the caller then either `advance`s (plain
+decode/prefill: the real count per row) or `compact`s (tree verify: move the accepted nodes to
+the front of the written window). Nothing here syncs with the host.
+
+Bounds: writing past max_len cannot be checked on an accelerator without a sync, so the engine
+keeps the row lengths on the host and must not forward more than `max_len - lengths[b]` tokens.
+When `lengths` lives on the CPU, `check_room` checks it for real (cheap, no device sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.errors import RequestError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"KVCache: batch ({batch}) and max_len ({max_len}) must be >= 1")
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [bs]
+        self.max_len = max_len
+        self.batch = batch
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def check_room(self, n_new: int, kv_len_hint: int | None = None) -> None:
+        """Raise before a forward that would write beyond max_len, where that is checkable without a sync."""
+        if kv_len_hint is not None and kv_len_hint > self.max_len:
+            raise RequestError(
+                f"kv_len_hint {kv_len_hint} exceeds the KV cache's max_len {self.max_len}", field="max_len"
+            )
+        if self.lengths.device.type == "cpu":
+            need = int(self.lengths.max()) + n_new
+            if need > self.max_len:
+                raise RequestError(
+                    f"KV cache overflow: writing {n_new} tokens after a row of length "
+                    f"{need - n_new} needs {need} slots; max_len is {self.max_len}",
+                    field="max_len",
+                )
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged)."""
+        bs, _, n_q, _ = k_new.shape
+        rows = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
+        slots = self.lengths[:, None] + torch.arange(n_q, device=self.device)  # [bs, q]
+        # advanced indices on dims (bs, len) around a slice -> values laid out [bs, q, kv, d]
+        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)
+        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+
+    def view(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first kv_len slots of one layer: k, v [bs, kv, kv_len, d] (views, no copy)."""
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def advance(self, n: torch.Tensor) -> None:
+        """lengths += n[bs] (the real number of tokens each row committed)."""
+        self.lengths += n.to(self.lengths)
+
+    def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep accepted tree nodes: slot lengths[b]+src[b,j] -> lengths[b]+j for j < counts[b]; lengths += counts.
+
+        src[bs, m] long, counts[bs] long. All layers, K and V, in one gather and one scatter; the
+        gather copies first, so overlapping source and destination slots never alias. Entries with
+        j >= counts[b] are turned into no-op moves (slot onto itself).
+        """
+        bs, m = src.shape
+        j = torch.arange(m, device=self.device)[None, :]  # [1, m]
+        src = torch.where(j < counts[:, None], src, j)  # [bs, m]
+        rows = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
+        from_slots = self.lengths[:, None] + src  # [bs, m]
+        to_slots = self.lengths[:, None] + j  # [bs, m]
+        for buf in (self.k, self.v):
+            moved = buf[:, rows, :, from_slots]  # [bs, m, layers, kv, d] (a copy)
+            buf[:, rows, :, to_slots] = moved
+        self.lengths += counts.to(self.lengths)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Set lengths to 0 for rows[bs] bool (a batch slot handed to a new request)."""
+        self.lengths.masked_fill_(rows.to(self.device), 0)

@@ -1,0 +1,230 @@
+"""The target decoder (Qwen3 / Llama family) over a compactable KV cache; no decoding policy.
+
+One `forward` serves prefill (q = prompt length, rows right-padded), one-token decode (q = 1)
+and tree verify (q = n + 1 with an ancestor-or-self `tree_mask`). The attention mask is built
+on the device from `cache.lengths` with no host sync; taps follow the z-lab convention
+(tap k = output of decoder layer k = HF hidden_states[k + 1]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.models.configs import TargetConfig
+from ddtree.models.kv_cache import KVCache
+from ddtree.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x[bs, q, D] -> q[bs, H, q, d], k/v[bs, KV, q, d], rotated
+        bs, n, _ = x.shape
+        q = self.q_proj(x).view(bs, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bs, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(bs, n, self.n_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        # o[bs, H, q, d] -> [bs, q, D]
+        bs, _, n, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    """Holds the HF `model.*` weights under their HF names."""
+
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def build_kv_mask(
+    lengths: torch.Tensor, n_q: int, kv_len: int, tree_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Who sees what in a cached forward: mask[bs, 1, q, kv_len] bool, built on the device.
+
+    Query j of row b sees cache slots < lengths[b] and new slot lengths[b] + k when
+    tree_mask[b, j, k] (causal k <= j when tree_mask is None).
+    """
+    device = lengths.device
+    slots = torch.arange(kv_len, device=device)[None, :]  # [1, S]
+    rel = slots - lengths[:, None]  # [bs, S]: index among the new tokens (negative = past)
+    past = rel < 0  # [bs, S]
+    is_new = (rel >= 0) & (rel < n_q)  # [bs, S]
+    if tree_mask is None:
+        j = torch.arange(n_q, device=device)[None, :, None]  # [1, q, 1]
+        allowed = rel[:, None, :] <= j  # [bs, q, S]
+    else:
+        idx = rel.clamp(0, n_q - 1)[:, None, :].expand(-1, n_q, -1)  # [bs, q, S]
+        allowed = torch.gather(tree_mask.to(torch.bool), 2, idx)
+    mask = past[:, None, :] | (is_new[:, None, :] & allowed)  # [bs, q, S]
+    return mask[:, None]
+
+
+class Target(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    # -- shared with the drafter -------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden[..., D] (already normed) -> logits[..., V] float32."""
+        weight = self.model.embed_tokens.weight if self.head is None else self.head.weight
+        return F.linear(hidden, weight).float()
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def _check_taps(self, tap_layers: list[int] | None) -> None:
+        n = self.config.num_hidden_layers
+        for t in tap_layers or []:
+            if not 0 <= t < n:
+                raise ValueError(f"tap_layers: layer {t} is out of range [0, {n - 1}]")
+
+    def _collect(self, taps: dict[int, torch.Tensor], tap_layers: list[int] | None) -> torch.Tensor | None:
+        return torch.cat([taps[t] for t in tap_layers], dim=-1) if tap_layers else None
+
+    # -- inference ---------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+        tap_layers: list[int] | None = None,
+        kv_len_hint: int | None = None,
+        logit_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids/position_ids[bs, q], tree_mask[bs, q, q] bool -> (logits[bs, q, V] f32, taps[bs, q, T*D]).
+
+        Writes K/V at slots lengths[b] + j, never advances lengths. kv_len_hint: a python int
+        >= max(lengths) + q that bounds the attention to the slots in use (default: the exact
+        bound when lengths is on the CPU, else max_len). logit_positions[bs, k] long: only
+        return logits at those query indices ([bs, k, V]), e.g. the last real token of a prefill.
+        """
+        bs, n_q = input_ids.shape
+        self._check_taps(tap_layers)
+        cache.check_room(n_q, kv_len_hint)
+        if kv_len_hint is not None:
+            kv_len = kv_len_hint
+        elif cache.lengths.device.type == "cpu":
+            kv_len = int(cache.lengths.max()) + n_q  # free on the CPU: no device to sync with
+        else:
+            kv_len = cache.max_len
+        mask = build_kv_mask(cache.lengths, n_q, kv_len, tree_mask)  # [bs, 1, q, S]
+        cos, sin = self.rotary(position_ids, self.dtype)
+        x = self.embed(input_ids)  # [bs, q, D]
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(tap_layers or [])
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = layer.self_attn.qkv(h, cos, sin)
+            cache.write(i, k, v)
+            k_all, v_all = cache.view(i, kv_len)
+            x = x + layer.self_attn.out(attend(q, k_all, v_all, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                taps[i] = x
+        return self._finish(x, taps, tap_layers, logit_positions)
+
+    def _finish(
+        self,
+        x: torch.Tensor,
+        taps: dict[int, torch.Tensor],
+        tap_layers: list[int] | None,
+        logit_positions: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        normed = self.model.norm(x)
+        last = self.config.num_hidden_layers - 1
+        if last in taps:
+            # HF's hidden_states[-1] is taken after the final norm; keep the z-lab convention exact
+            taps[last] = normed
+        if logit_positions is not None:
+            idx = logit_positions[:, :, None].expand(-1, -1, normed.shape[-1])
+            normed = torch.gather(normed, 1, idx)
+        return self.lm_head(normed), self._collect(taps, tap_layers)
+
+    # -- training ----------------------------------------------------------------------------
+    def forward_train(
+        self, input_ids: torch.Tensor, tap_layers: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids[bs, T] -> (logits[bs, T, V] f32, taps[bs, T, len(tap_layers)*D]); causal, no cache."""
+        bs, n = input_ids.shape
+        self._check_taps(tap_layers)
+        positions = torch.arange(n, device=input_ids.device)[None, :].expand(bs, n)
+        cos, sin = self.rotary(positions, self.dtype)
+        x = self.embed(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        wanted = set(tap_layers or [])
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            rep = attn.n_heads // attn.n_kv
+            o = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), is_causal=True
+            )
+            x = x + attn.out(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                taps[i] = x
+        return self._finish(x, taps, tap_layers, None)
+
+
+def init_target(config: TargetConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = None) -> Target:
+    """A randomly initialised target (normal(0, 0.02) weights, unit norms, zero biases)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    model = Target(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(device=device, dtype=dtype)
