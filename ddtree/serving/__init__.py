@@ -1,0 +1,1 @@
+"""The pieces of `python -m ddtree.server`: arguments, request validation, the batching thread, metrics, routes."""

@@ -1,0 +1,49 @@
+"""Text <-> token ids for the server: a model folder's tokenizer.json through the `tokenizers` library.
+
+The engine works on token ids only; this module is the one place that knows about text. A model
+folder without a tokenizer.json (e.g. a random test model) has no codec: the server then accepts
+`input_ids` only and answers with empty `text`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ddtree.errors import ModelLoadError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TextCodec:
+    """Encode prompts and decode outputs with one `tokenizers.Tokenizer`."""
+
+    def __init__(self, tokenizer: Tokenizer, path: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.path = path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        # add_special_tokens follows the tokenizer's own post-processor (a BOS if it declares one)
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+
+def load_tokenizer(model_dir: str | Path) -> TextCodec | None:
+    """The codec of `model_dir/tokenizer.json`, or None when the folder has no tokenizer file."""
+    path = Path(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    try:
+        return TextCodec(Tokenizer.from_file(str(path)), str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed files
+        raise ModelLoadError(f"tokenizer: cannot read {path}: {err}") from err
