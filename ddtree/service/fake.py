@@ -1,0 +1,163 @@
+"""A model-free stand-in for the server, and FakeBackend that launches it like LocalBackend.
+
+`python -m ddtree.service.fake` takes ddtree.server's flags, prints the same log lines and speaks
+/health_generate, /server_info and /generate, so the whole lifecycle (start, readiness, verify,
+restore) runs in a second without models. Standard library only, so it starts fast.
+Failure modes come from the environment (FakeBackend.env):
+
+    DDTREE_FAKE_LOAD_S        seconds before the port is bound (connections are refused)
+    DDTREE_FAKE_WARMUP_S      seconds of 503 from /health_generate after binding
+    DDTREE_FAKE_CRASH_AFTER_S exit with code 3 this many seconds after launch
+    DDTREE_FAKE_NO_INIT_LINE  "1": print no init line
+    DDTREE_FAKE_REPORT        JSON object merged into /server_info (a mismatched setting)
+    DDTREE_FAKE_VERIFY_CT     spec_verify_ct to report instead of the computed one
+    DDTREE_FAKE_IGNORE_SIGTERM "1": survive SIGTERM (tests SIGKILL escalation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ddtree.service.local import LocalBackend
+
+
+class FakeBackend(LocalBackend):
+    """LocalBackend running the fake server; `env` sets its failure modes."""
+
+    name = "fake"
+    module = "ddtree.service.fake"
+
+    def __init__(self, model_path: str = "fake-model", draft_model_path: str | None = "fake-draft",
+                 **kwargs: Any) -> None:
+        super().__init__(model_path, draft_model_path, **kwargs)
+
+
+def init_line(args: argparse.Namespace) -> str:
+    """The server's init line for these flags (the shape verify.py parses)."""
+    algorithm = (args.speculative_algorithm or "NONE").upper()
+    if algorithm == "NONE":
+        return "Initialized AR worker."
+    block = args.speculative_num_draft_tokens
+    window = args.speculative_draft_window_size or None
+    budget, topk = (block - 1, 1) if algorithm == "DFLASH" else (
+        args.speculative_ddtree_budget, args.speculative_ddtree_topk)
+    return (f"Initialized DDTree worker. block_size={block}, tree_budget={budget}, topk={topk}, "
+            f"draft_window_size={window}, compact_cache={window is not None}")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ddtree.service.fake")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--speculative-algorithm", default="NONE")
+    p.add_argument("--speculative-draft-model-path")
+    p.add_argument("--speculative-ddtree-budget", type=int, default=8)
+    p.add_argument("--speculative-ddtree-topk", type=int, default=4)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=8)
+    p.add_argument("--speculative-draft-window-size", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-running-requests", type=int, default=8)
+    return p.parse_args(argv)
+
+
+def _server_info(args: argparse.Namespace) -> dict[str, Any]:
+    algorithm = args.speculative_algorithm.upper()
+    speculative = algorithm != "NONE"
+    info: dict[str, Any] = {
+        "model_path": args.model_path,
+        "speculative_algorithm": algorithm if speculative else None,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+        "speculative_ddtree_budget": args.speculative_ddtree_budget if speculative else None,
+        "speculative_ddtree_topk": args.speculative_ddtree_topk if speculative else None,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens if speculative else None,
+        "speculative_draft_window_size": (args.speculative_draft_window_size or None)
+        if speculative else None,
+        "device": args.device,
+        "max_running_requests": args.max_running_requests,
+        "internal_states": [{"avg_spec_accept_length": 3.0 if speculative else 1.0}],
+    }
+    if algorithm == "DFLASH":
+        info["speculative_ddtree_budget"] = args.speculative_num_draft_tokens - 1
+        info["speculative_ddtree_topk"] = 1
+    info.update(json.loads(os.environ.get("DDTREE_FAKE_REPORT") or "{}"))
+    return info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    env = os.environ.get
+    launched = time.monotonic()
+    if env("DDTREE_FAKE_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if (crash := env("DDTREE_FAKE_CRASH_AFTER_S")) is not None:
+        def crash_now() -> None:
+            print("RuntimeError: simulated crash (DDTREE_FAKE_CRASH_AFTER_S)", flush=True)
+            os._exit(3)
+        threading.Timer(float(crash), crash_now).start()
+
+    print(f"server_args: {vars(args)}", flush=True)
+    time.sleep(float(env("DDTREE_FAKE_LOAD_S") or 0))  # "loading weights": the port refuses
+    if env("DDTREE_FAKE_NO_INIT_LINE") != "1":
+        print(init_line(args), flush=True)
+    info = _server_info(args)
+    speculative = info["speculative_algorithm"] is not None
+    warm_at = time.monotonic() + float(env("DDTREE_FAKE_WARMUP_S") or 0)
+    announced = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path.startswith("/health"):
+                if time.monotonic() < warm_at:
+                    return self._send(503, {"error": "warming up"})
+                if not announced.is_set():
+                    announced.set()
+                    print("The server is fired up and ready to roll!", flush=True)
+                return self._send(200, {})
+            if self.path == "/server_info":
+                return self._send(200, info)
+            self._send(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/generate":
+                return self._send(404, {"error": f"no route {self.path}"})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                n = int(body.get("sampling_params", {}).get("max_new_tokens", 128))
+                prompt = body.get("input_ids") or list(str(body["text"]).encode())
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                return self._send(400, {"error": f"bad request: {err}"})
+            meta: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                    "finish_reason": {"type": "length", "length": n}}
+            if speculative:
+                meta["spec_verify_ct"] = int(env("DDTREE_FAKE_VERIFY_CT") or math.ceil(n / 3))
+            self._send(200, {"text": "x" * n, "output_ids": [7] * n, "meta_info": meta})
+
+        def log_message(self, format: str, *a: Any) -> None:  # noqa: A002 - keep the log clean
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    print(f"fake server listening on {args.host}:{args.port} after "
+          f"{time.monotonic() - launched:.2f} s", flush=True)
+    server.serve_forever(poll_interval=0.1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

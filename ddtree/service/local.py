@@ -1,0 +1,196 @@
+"""LocalBackend: `python -m ddtree.server ...` as a child process in its own process group.
+
+The log of every start is appended to one file; a start's marker is the file offset at launch,
+so log_since_start() never shows an older start's lines. stop() signals the whole process
+group (the server's workers die with it): SIGTERM, wait, SIGKILL, wait.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from ddtree.config import SpecConfig
+from ddtree.errors import ConfigError, ServiceError, ServiceStartError
+from ddtree.service.base import Deployment, http_client
+
+Log = Callable[[str], None]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+class LocalBackend:
+    """A server we launch and own: ddtree's own server by default (`module` picks another)."""
+
+    name = "local"
+    module = "ddtree.server"
+    default_device = "cpu"
+    can_restart = True
+    owns_process = True
+    has_log = True
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        draft_model_path: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device: str | None = None,
+        max_running_requests: int | None = None,
+        extra_args: Sequence[str] = (),
+        log_dir: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+        stop_timeout_s: float = 10.0,
+        log: Log = _quiet,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"port: {port} is out of range (allowed 0..65535; 0 = pick a free port)")
+        if max_running_requests is not None and max_running_requests < 1:
+            raise ConfigError(f"max_running_requests: {max_running_requests} must be >= 1")
+        self.model_path = str(model_path)
+        self.draft_model_path = None if draft_model_path is None else str(draft_model_path)
+        self.host = host
+        self.port = port or free_port(host)  # fixed once, so base_url is stable across restarts
+        self.device = device or self.default_device
+        self.max_running_requests = max_running_requests
+        self.extra_args = list(extra_args)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="ddtree-service-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{self.name}-{self.port}.log"
+        self.env = dict(env or {})  # added to os.environ at each start; tests change it between starts
+        self.python = python
+        self.stop_timeout_s = stop_timeout_s
+        self.log = log
+        self.deployment: Deployment | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def command(self, spec: SpecConfig) -> list[str]:
+        """The exact argv for `spec` (speculative flags from SpecConfig.server_args())."""
+        cmd = [self.python, "-m", self.module, "--model-path", self.model_path]
+        cmd += spec.server_args()
+        if spec.speculative and self.draft_model_path:
+            cmd += ["--speculative-draft-model-path", self.draft_model_path]
+        cmd += ["--host", self.host, "--port", str(self.port), "--device", self.device]
+        if self.max_running_requests is not None:
+            cmd += ["--max-running-requests", str(self.max_running_requests)]
+        return cmd + self.extra_args
+
+    def start(self, spec: SpecConfig) -> Deployment:
+        self.stop()
+        cmd = self.command(spec)
+        self.log(f"[{self.name}] starting: {shlex.join(cmd)}")
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - held open for the child's life
+        offset = self._log_file.tell()
+        self._log_file.write(f"=== ddtree service start {spec.id}: {shlex.join(cmd)}\n".encode())
+        self._log_file.flush()
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: stop() reaches every worker
+                env={**os.environ, **self.env},
+            )
+        except OSError as err:
+            self._close_log()
+            raise ServiceStartError(f"{self.name}: cannot launch {cmd[0]!r}: {err}") from err
+        self.deployment = Deployment(spec, time.time(), cmd, marker=offset)
+        return self.deployment
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            self._signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.log(f"[{self.name}] pid {proc.pid} ignored SIGTERM for "
+                         f"{self.stop_timeout_s:.0f} s; sending SIGKILL")
+                self._signal_group(proc, signal.SIGKILL)
+                proc.wait(timeout=self.stop_timeout_s)
+            # Children that outlived the leader still hold the group; make sure they go too.
+            self._signal_group(proc, signal.SIGKILL)
+        self._close_log()
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # pgid == pid because of start_new_session
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already gone
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def is_alive(self) -> tuple[bool, str]:
+        if self._proc is None:
+            return False, "not started" if self.deployment is None else "stopped"
+        code = self._proc.poll()
+        if code is None:
+            return True, ""
+        if code < 0:
+            return False, f"pid {self._proc.pid} killed by {signal.Signals(-code).name}"
+        return False, f"pid {self._proc.pid} exited with code {code}"
+
+    def log_since_start(self) -> str:
+        if self.deployment is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(int(self.deployment.marker))
+            return f.read().decode("utf-8", errors="replace")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_since_start().splitlines()[-n:])
+
+    def reported_settings(self) -> dict[str, Any]:
+        return fetch_server_info(self.base_url)
+
+
+def fetch_server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """GET /server_info as a dict; ServiceError naming the url when it cannot be read."""
+    url = base_url.rstrip("/") + "/server_info"
+    try:
+        with http_client(timeout_s) as client:
+            response = client.get(url)
+            response.raise_for_status()
+            info = response.json()
+    except (httpx.HTTPError, ValueError) as err:
+        raise ServiceError(f"cannot read {url}: {type(err).__name__}: {err}") from err
+    if not isinstance(info, dict):
+        raise ServiceError(f"{url} returned {type(info).__name__}, expected a JSON object")
+    return info

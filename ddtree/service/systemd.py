@@ -1,0 +1,346 @@
+"""SystemdBackend: reconfigure a systemd unit's ExecStart flags on a host over ssh and restart it.
+
+start(spec) issues, in order:
+
+    systemctl cat UNIT                          which file holds the effective ExecStart
+    cat PATH                                    that file's exact bytes
+    sh -c 'tmp=...; cat > $tmp; sudo mv $tmp PATH'   the file with only the speculative flags
+                                                changed (skipped when nothing changes)
+    sudo systemctl daemon-reload
+    sudo journalctl -u UNIT -n 0 --show-cursor  the journal cursor before the restart
+    sudo systemctl restart UNIT
+
+so log_since_start() is `journalctl --after-cursor CURSOR`: only this start's lines. Every
+command goes through `runner`, which tests replace with a simulated host.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree.config import SpecConfig
+from ddtree.errors import ConfigError, ServiceError, ServiceStartError
+from ddtree.service.base import SERVER_INFO_KEYS, Deployment
+from ddtree.service.local import fetch_server_info
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+
+Runner = Callable[[list[str], "str | None"], CommandResult]
+
+
+def subprocess_runner(argv: list[str], stdin: str | None = None, timeout_s: float = 120.0) -> CommandResult:
+    """Run argv locally (ssh included in argv when remote) and capture its output."""
+    try:
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ServiceError(f"command {shlex.join(argv)!r} failed to run: {err}") from err
+    return CommandResult(done.returncode, done.stdout, done.stderr)
+
+
+# -- ExecStart editing (pure text; unit-tested without a host) ------------------------------------
+# Flag -> the SpecConfig-derived value it carries; the dflash alias must agree with the block size.
+SPEC_FLAGS = ("--speculative-algorithm", "--speculative-num-draft-tokens",
+              "--speculative-dflash-block-size", "--speculative-draft-window-size",
+              "--speculative-ddtree-budget", "--speculative-ddtree-topk")
+_FLAG_KEYS = {
+    "--speculative-algorithm": SERVER_INFO_KEYS["algorithm"],
+    "--speculative-ddtree-budget": SERVER_INFO_KEYS["budget"],
+    "--speculative-ddtree-topk": SERVER_INFO_KEYS["topk"],
+    "--speculative-num-draft-tokens": SERVER_INFO_KEYS["block_size"],
+    "--speculative-dflash-block-size": SERVER_INFO_KEYS["block_size"],
+    "--speculative-draft-window-size": SERVER_INFO_KEYS["draft_window"],
+}
+_EXEC_RE = re.compile(r"^[ \t]*ExecStart[ \t]*=", re.M)
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str  # unquoted
+    start: int
+    end: int
+
+
+def tokenize(value: str) -> list[Token]:
+    """Split an ExecStart value into words with their spans; backslash-newline is whitespace."""
+    tokens, i, n = [], 0, len(value)
+    while i < n:
+        if value[i].isspace():
+            i += 1
+            continue
+        if value.startswith("\\\n", i):
+            i += 2
+            continue
+        start, buf = i, []
+        while i < n and not value[i].isspace() and not value.startswith("\\\n", i):
+            c = value[i]
+            if c in "\"'":
+                close = value.find(c, i + 1)
+                close = n - 1 if close < 0 else close
+                buf.append(value[i + 1:close])
+                i = close + 1
+            elif c == "\\" and i + 1 < n:
+                buf.append(value[i + 1])
+                i += 2
+            else:
+                buf.append(c)
+                i += 1
+        tokens.append(Token("".join(buf), start, i))
+    return tokens
+
+
+def find_exec_start(unit_text: str) -> tuple[int, int] | None:
+    """Span of the value of the last non-empty ExecStart= in `unit_text` (continuations included)."""
+    found = None
+    for m in _EXEC_RE.finditer(unit_text):
+        start = end = m.end()
+        while True:
+            newline = unit_text.find("\n", end)
+            line_end = len(unit_text) if newline < 0 else newline
+            end = line_end
+            if newline < 0 or not unit_text[:line_end].endswith("\\"):
+                break
+            end = line_end + 1  # continue onto the next line
+        if unit_text[start:end].strip():
+            found = (start, end)
+    return found
+
+
+def flag_values(value: str) -> dict[str, str | None]:
+    """{flag: value} for every `--flag value` / `--flag=value` in an ExecStart value (last wins)."""
+    tokens = tokenize(value)
+    out: dict[str, str | None] = {}
+    for k, tok in enumerate(tokens):
+        if not tok.text.startswith("--"):
+            continue
+        if "=" in tok.text:
+            flag, val = tok.text.split("=", 1)
+            out[flag] = val
+        else:
+            nxt = tokens[k + 1].text if k + 1 < len(tokens) else None
+            out[tok.text] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def rewrite_exec_start(value: str, spec: SpecConfig) -> str:
+    """`value` with the speculative flags set for `spec`: replaced in place, missing ones added at
+    the end, ones `spec` does not use removed; every other byte is kept."""
+    args = spec.server_args()
+    wanted = dict(zip(args[::2], args[1::2], strict=True))
+    if "--speculative-num-draft-tokens" in wanted:
+        wanted["--speculative-dflash-block-size"] = wanted["--speculative-num-draft-tokens"]
+    tokens = tokenize(value)
+    edits: list[tuple[int, int, str]] = []  # (start, end, replacement), non-overlapping
+    seen: set[str] = set()
+    k = 0
+    while k < len(tokens):
+        tok = tokens[k]
+        flag, _, inline = tok.text.partition("=")
+        if flag not in SPEC_FLAGS:
+            k += 1
+            continue
+        seen.add(flag)
+        has_value = not inline and k + 1 < len(tokens) and not tokens[k + 1].text.startswith("--")
+        last = tokens[k + 1] if has_value else tok
+        new = wanted.get(flag)
+        if new is None:  # not used by this spec: drop the flag, its value and the space before it
+            edits.append((tokens[k - 1].end if k else tok.start, last.end, ""))
+        elif inline:
+            edits.append((tok.start, tok.end, f"{flag}={new}"))
+        elif has_value:
+            edits.append((last.start, last.end, new))
+        else:
+            edits.append((tok.end, tok.end, f" {new}"))
+        k += 2 if has_value else 1
+    missing = [f for f in args[::2] if f not in seen]
+    if missing:
+        tail = tokens[-1].end if tokens else len(value)
+        edits.append((tail, tail, "".join(f" {f} {wanted[f]}" for f in missing)))
+    for start, end, text in sorted(edits, reverse=True):
+        value = value[:start] + text + value[end:]
+    return value
+
+
+def rewrite_unit(unit_text: str, spec: SpecConfig, where: str = "unit") -> str:
+    """The unit file with its effective ExecStart rewritten for `spec`."""
+    span = find_exec_start(unit_text)
+    if span is None:
+        raise ServiceError(f"{where}: no non-empty ExecStart= line to reconfigure")
+    start, end = span
+    value = unit_text[start:end]
+    if spec.speculative and "--speculative-draft-model-path" not in flag_values(value) \
+            and "--speculative-draft-model" not in flag_values(value):
+        raise ConfigError(f"{where}: ExecStart has no --speculative-draft-model-path, so "
+                          f"{spec.id} cannot run; add the drafter path to the unit first")
+    return unit_text[:start] + rewrite_exec_start(value, spec) + unit_text[end:]
+
+
+def settings_from_exec_start(value: str) -> dict[str, Any]:
+    """The speculative settings an ExecStart value asks for, keyed like /server_info."""
+    flags = flag_values(value)
+    out: dict[str, Any] = {SERVER_INFO_KEYS["algorithm"]: None, SERVER_INFO_KEYS["draft_window"]: None}
+    for flag, key in _FLAG_KEYS.items():
+        if flag in flags:
+            out[key] = flags[flag]
+    return out
+
+
+def split_systemctl_cat(text: str) -> list[tuple[str, str]]:
+    """[(path, content)] from `systemctl cat` output ("# /path" header before each file)."""
+    files: list[tuple[str, str]] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# /"):
+            files.append((line[2:].strip(), ""))
+        elif files:
+            files[-1] = (files[-1][0], files[-1][1] + line)
+    return files
+
+
+# -- the backend -----------------------------------------------------------------------------------
+class SystemdBackend:
+    """A systemd unit on `ssh_host` (None = this machine); its ExecStart carries the flags."""
+
+    name = "systemd"
+    can_restart = True
+    owns_process = False  # a production unit keeps running after the suite
+    has_log = True
+    settings_source = "unit file"
+
+    def __init__(
+        self,
+        ssh_host: str | None,
+        unit: str,
+        *,
+        runner: Runner | None = None,
+        base_url: str | None = None,
+        sudo: bool = True,
+        query_server_info: bool = True,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        if not unit or any(c.isspace() for c in unit):
+            raise ConfigError(f"unit: {unit!r} is not a systemd unit name")
+        self.ssh_host = ssh_host
+        self.unit = unit
+        self.runner: Runner = runner or subprocess_runner
+        self._base_url = base_url.rstrip("/") if base_url else None
+        self.sudo = sudo
+        self.query_server_info = query_server_info
+        self.log = log
+        self.deployment: Deployment | None = None
+        self.unit_path: str | None = None
+
+    # -- commands --------------------------------------------------------------------------------
+    def _argv(self, argv: Sequence[str], privileged: bool = False) -> list[str]:
+        argv = (["sudo", "-n"] if privileged and self.sudo else []) + list(argv)
+        if self.ssh_host is None:
+            return argv
+        return ["ssh", "-o", "BatchMode=yes", self.ssh_host, shlex.join(argv)]
+
+    def _run(self, argv: Sequence[str], *, privileged: bool = False, stdin: str | None = None,
+             check: bool = True) -> CommandResult:
+        full = self._argv(argv, privileged)
+        result = self.runner(full, stdin)
+        if check and result.returncode != 0:
+            raise ServiceError(f"{self.name} {self.unit}: `{shlex.join(full)}` exited with "
+                               f"{result.returncode}: {result.stderr.strip() or result.stdout.strip()}")
+        return result
+
+    def _effective_file(self) -> tuple[str, str]:
+        """(path, text as printed by systemctl cat) of the file whose ExecStart is in effect."""
+        files = split_systemctl_cat(self._run(["systemctl", "cat", self.unit]).stdout)
+        for path, text in reversed(files):
+            if find_exec_start(text) is not None:
+                return path, text
+        raise ServiceError(f"{self.name} {self.unit}: no file of the unit has a non-empty ExecStart=")
+
+    # -- ServiceBackend --------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        if self._base_url is None:  # derive from the unit's --host/--port and the ssh host
+            flags = flag_values(self._exec_start_value())
+            host = flags.get("--host") or "127.0.0.1"
+            if host in ("0.0.0.0", "::", "127.0.0.1", "localhost") and self.ssh_host:
+                host = self.ssh_host.rpartition("@")[2]
+            self._base_url = f"http://{host}:{flags.get('--port') or 30000}"
+        return self._base_url
+
+    def _exec_start_value(self) -> str:
+        _, text = self._effective_file()
+        span = find_exec_start(text)
+        assert span is not None  # _effective_file only returns files that have one
+        return text[span[0]:span[1]]
+
+    def start(self, spec: SpecConfig) -> Deployment:
+        path, _ = self._effective_file()
+        self.unit_path = path
+        original = self._run(["cat", path]).stdout
+        updated = rewrite_unit(original, spec, where=path)  # raises before anything changes
+        if updated != original:
+            self._write(path, updated)
+            self._run(["systemctl", "daemon-reload"], privileged=True)
+        cursor = self._cursor()
+        self.log(f"[{self.name}] restarting {self.unit} on {self.ssh_host or 'localhost'} with {spec.id}")
+        restart = self._run(["systemctl", "restart", self.unit], privileged=True, check=False)
+        self.deployment = Deployment(spec, time.time(), self._argv(["systemctl", "restart", self.unit],
+                                                                   True), marker=cursor)
+        if restart.returncode != 0:
+            raise ServiceStartError(f"{self.name}: systemctl restart {self.unit} exited with "
+                                    f"{restart.returncode}: {restart.stderr.strip()}",
+                                    log_tail=self.log_tail())
+        return self.deployment
+
+    def _write(self, path: str, text: str) -> None:
+        # Write to a temp file as the ssh user, then move it into place as root in one step.
+        sudo = "sudo -n " if self.sudo else ""
+        q = shlex.quote(path)
+        script = (f'tmp=$(mktemp /tmp/ddtree-unit.XXXXXX) && cat > "$tmp" && chmod 0644 "$tmp" && '
+                  f'{sudo}chown root:root "$tmp" && {sudo}mv "$tmp" {q}')
+        self._run(["sh", "-c", script], stdin=text)
+
+    def _cursor(self) -> str | None:
+        # Some journalctl versions print no cursor for -n 0; the last entry's cursor is as good.
+        for lines in ("0", "1"):
+            out = self._run(["journalctl", "-u", self.unit, "-n", lines, "--show-cursor", "--no-pager"],
+                            privileged=True, check=False).stdout
+            if m := re.search(r"^-- cursor: (\S+)", out, re.M):
+                return m.group(1)
+        return None  # the unit has no journal entries yet: everything is this start's
+
+    def stop(self) -> None:
+        self._run(["systemctl", "stop", self.unit], privileged=True)
+
+    def is_alive(self) -> tuple[bool, str]:
+        state = self._run(["systemctl", "is-active", self.unit], check=False).stdout.strip()
+        if state in ("active", "activating", "reloading"):
+            return True, ""
+        return False, f"systemctl is-active {self.unit}: {state or 'unknown'}"
+
+    def log_since_start(self) -> str:
+        argv = ["journalctl", "-u", self.unit, "--no-pager", "-o", "short-iso"]
+        if self.deployment is not None and self.deployment.marker:
+            argv += ["--after-cursor", str(self.deployment.marker)]
+        return self._run(argv, privileged=True, check=False).stdout
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_since_start().splitlines()[-n:])
+
+    def reported_settings(self) -> dict[str, Any]:
+        settings = settings_from_exec_start(self._exec_start_value())
+        if self.query_server_info:  # the live service too, when this machine can reach it
+            try:
+                settings["server_info"] = fetch_server_info(self.base_url)
+            except ServiceError as err:
+                settings["server_info_error"] = str(err)
+        return settings

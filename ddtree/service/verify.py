@@ -1,0 +1,199 @@
+"""verify: check a running service against the SpecConfig it was deployed with, three ways.
+
+1. settings: what the service reports (/server_info, or the unit file for systemd) equals the spec;
+2. log: the init line of the *current* start (backend.log_since_start()) parses to the spec's
+   values; ddtree's "Initialized DDTree worker. block_size=8, tree_budget=8, ..." and SGLang's
+   "Initialized DFLASH draft runner. ... block_size=8, draft_window_size=2048, ..." both count;
+3. generation: one tiny greedy /generate shows spec_verify_ct > 0 when speculation is on.
+
+The first two are independent on purpose: a stale /server_info or a log left over from an
+older start must not make a wrong deployment look right.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+
+from ddtree.config import Algorithm, SpecConfig, parse_window
+from ddtree.errors import ConfigError, ServiceError, ServiceVerifyError
+from ddtree.service.base import SERVER_INFO_KEYS, ServiceBackend, VerifyReport, http_client
+
+MISSING = "<missing>"
+_INIT_RE = re.compile(r"Initialized (DDTree worker|DFLASH draft runner|AR worker)\.(.*)$", re.M)
+_KV_RE = re.compile(r"(\w+)=([^,\s]+)")
+_READY_LINE = "The server is fired up and ready to roll!"
+
+
+# -- 1. settings ---------------------------------------------------------------------------------
+def expected_settings(spec: SpecConfig) -> dict[str, Any]:
+    """The SpecConfig fields a service must report for `spec` (normalised values)."""
+    if spec.algorithm is Algorithm.NONE:
+        return {"algorithm": "NONE"}
+    expected: dict[str, Any] = {"algorithm": spec.algorithm.value, "block_size": spec.block_size,
+                                "draft_window": spec.draft_window}
+    if spec.algorithm is Algorithm.DDTREE:  # SGLang reports no tree keys for DFLASH
+        expected |= {"budget": spec.budget, "topk": spec.topk}
+    return expected
+
+
+def normalise(field: str, value: Any) -> Any:
+    """Bring a reported value to SpecConfig's form: window 0/None/"none" -> None, "8" -> 8."""
+    if field == "algorithm":
+        text = "" if value is None else str(value).strip().upper()
+        return "NONE" if text in ("", "NONE", "NULL") else text
+    if field == "draft_window":
+        try:
+            return parse_window(value)
+        except ConfigError:
+            return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return value
+
+
+def compare_settings(spec: SpecConfig, reported: dict[str, Any],
+                     prefix: str = "") -> dict[str, dict[str, Any]]:
+    """{field: {key, expected, reported, ok}} for every field the spec pins down."""
+    out = {}
+    for name, want in expected_settings(spec).items():
+        key = SERVER_INFO_KEYS[name]
+        got = normalise(name, reported[key]) if key in reported else MISSING
+        out[prefix + name] = {"key": key, "expected": want, "reported": got, "ok": got == want}
+    nested = reported.get("server_info")
+    if isinstance(nested, dict):  # systemd: the unit file first, the live service too when reachable
+        out |= compare_settings(spec, nested, prefix="server_info.")
+    return out
+
+
+# -- 2. init log line -------------------------------------------------------------------------------
+def parse_init_line(log: str) -> tuple[str, str, dict[str, str]] | None:
+    """(kind, line, key=value pairs) of the last init line in `log`, or None."""
+    matches = list(_INIT_RE.finditer(log))
+    if not matches:
+        return None
+    m = matches[-1]
+    return m.group(1), m.group(0).strip(), dict(_KV_RE.findall(m.group(2)))
+
+
+def compare_init_line(spec: SpecConfig, log: str) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
+    """(per-key comparison, the init line, an error when no usable line exists)."""
+    found = parse_init_line(log)
+    if spec.algorithm is Algorithm.NONE:
+        if found is not None and found[0] == "AR worker":
+            return {}, found[1], None
+        if found is not None:
+            return {}, found[1], f"speculative init line for an AR deployment: {found[1]!r}"
+        if _READY_LINE in log:  # SGLang prints no AR init line; no speculative line is the check
+            return {}, None, None
+        return {}, None, "no init line and no ready line in this start's log"
+    if found is None or found[0] == "AR worker":
+        return {}, None if found is None else found[1], (
+            "no speculative init line ('Initialized DDTree worker.' or 'Initialized DFLASH draft "
+            "runner.') in this start's log")
+    kind, line, values = found
+    window = spec.draft_window
+    expected: dict[str, Any] = {"block_size": spec.block_size, "draft_window_size": window,
+                                "compact_cache": window is not None}
+    if kind == "DDTree worker":  # SGLang's DFLASH runner line carries no tree keys
+        expected |= {"tree_budget": spec.budget, "topk": spec.topk}
+    out = {}
+    for key, want in expected.items():
+        raw = values.get(key, MISSING)
+        if key == "draft_window_size":
+            got = normalise("draft_window", None if raw == "None" else raw)
+        elif key == "compact_cache":
+            got = {"True": True, "False": False}.get(raw, raw)
+        else:
+            got = normalise(key, raw)
+        out[key] = {"expected": want, "reported": got, "ok": got == want}
+    return out, line, None
+
+
+# -- 3. generation ---------------------------------------------------------------------------------
+def tiny_generation(base_url: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """POST one 8-token greedy request; return its meta_info (or {"error": ...})."""
+    body = {"text": "def fibonacci(n):",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    try:
+        with http_client(timeout_s) as client:
+            response = client.post(base_url.rstrip("/") + "/generate", json=body)
+            response.raise_for_status()
+            data = response.json()
+    except (httpx.HTTPError, ValueError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    if isinstance(data, list):
+        data = data[0] if data else {}
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    return meta if isinstance(meta, dict) else {"error": f"no meta_info in response {data!r}"}
+
+
+# -- the report --------------------------------------------------------------------------------------
+def verify(backend: ServiceBackend, spec: SpecConfig, *, generate: bool = True) -> VerifyReport:
+    """Check the running service against `spec`; never raises for a mismatch (see .ok)."""
+    details: dict[str, Any] = {"backend": backend.name, "config": spec.id,
+                               "settings_source": getattr(backend, "settings_source", "server_info")}
+    try:
+        reported = backend.reported_settings()
+        settings = compare_settings(spec, reported)
+        states = reported.get("internal_states") or [{}]
+        if isinstance(states, list) and states and isinstance(states[0], dict):
+            details["avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
+    except ServiceError as err:
+        settings = {}
+        details["settings_error"] = str(err)
+    details["settings"] = settings
+    settings_ok = bool(settings) and all(v["ok"] for v in settings.values())
+
+    log_ok: bool | None = None
+    if backend.has_log:
+        log_values, line, error = compare_init_line(spec, backend.log_since_start())
+        details |= {"init_line": line, "log_values": log_values}
+        if error:
+            details["log_error"] = error
+        log_ok = error is None and all(v["ok"] for v in log_values.values())
+
+    generation_ok = True
+    if generate:
+        meta = tiny_generation(backend.base_url)
+        details["generation"] = {k: meta.get(k) for k in ("error", "completion_tokens", "spec_verify_ct")
+                                 if k in meta}
+        verify_ct = meta.get("spec_verify_ct") or 0
+        generation_ok = "error" not in meta and (verify_ct > 0 if spec.speculative else True)
+    return VerifyReport(spec, settings_ok, log_ok, generation_ok, details)
+
+
+def verify_or_raise(backend: ServiceBackend, spec: SpecConfig, *, generate: bool = True) -> VerifyReport:
+    """verify(), raising ServiceVerifyError naming every expected vs reported value that differs."""
+    report = verify(backend, spec, generate=generate)
+    if report.ok:
+        return report
+    expected: dict[str, Any] = {}
+    reported: dict[str, Any] = {}
+    problems = []
+    d = report.details
+    if not report.settings_ok:
+        bad = {k: v for k, v in d.get("settings", {}).items() if not v["ok"]}
+        problems.append(f"settings: {d['settings_error']}" if "settings_error" in d else
+                        "settings: " + ", ".join(f"{k} expected {v['expected']!r}, reported "
+                                                 f"{v['reported']!r}" for k, v in bad.items()))
+        expected |= {k: v["expected"] for k, v in bad.items()}
+        reported |= {k: v["reported"] for k, v in bad.items()}
+    if report.log_ok is False:
+        bad = {k: v for k, v in d.get("log_values", {}).items() if not v["ok"]}
+        problems.append(f"init log line: {d['log_error']}" if "log_error" in d else
+                        f"init log line {d.get('init_line')!r}: " + ", ".join(
+                            f"{k} expected {v['expected']!r}, logged {v['reported']!r}"
+                            for k, v in bad.items()))
+        expected |= {f"log.{k}": v["expected"] for k, v in bad.items()}
+        reported |= {f"log.{k}": v["reported"] for k, v in bad.items()}
+    if not report.generation_ok:
+        gen = d.get("generation", {})
+        problems.append(f"generation: {gen.get('error') or 'spec_verify_ct is 0 or missing'}")
+        expected["spec_verify_ct"] = "> 0" if spec.speculative else "a completion"
+        reported["spec_verify_ct"] = gen.get("error") or gen.get("spec_verify_ct")
+    raise ServiceVerifyError(
+        f"{backend.name} service does not run {spec.id}: " + "; ".join(problems),
+        expected=expected, reported=reported)
