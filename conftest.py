@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+# The suite (options, cells, the service fixture) is a plugin module so that pytester runs and
+# other checkouts can load it with `-p ddtree.suite.plugin`; pytester tests the plugin itself.
+pytest_plugins = ["pytester", "ddtree.suite.plugin"]
+
 MARKERS = {
     "perf": "throughput/latency measurements and floors (not part of a bare `pytest` pass/fail unless selected)",
     "quality": "output-quality gates: coding pass@k, lossless check, acceptance floor",

@@ -1,0 +1,188 @@
+"""The suite's fixtures: the session `service`, the per-cell `deployed`, prompts and floors.
+
+`service` builds the backend named by --service, wraps it in a ServiceManager and yields it.
+Its teardown always restores the grid's default and verifies it (settings and the init line of
+the new start), also after failed cells, a crashed service or Ctrl-C: pytest tears session
+fixtures down in pytest_sessionfinish, which runs on KeyboardInterrupt too. The outcome goes
+into the run state, from which the plugin writes the sweep summary.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddtree.config import SpecConfig
+from ddtree.grid import Cell
+from ddtree.service.manager import ServiceManager
+from ddtree.suite.cells import CELL_ARG, item_spec
+from ddtree.suite.options import SuiteOptions, worker_index
+from ddtree.suite.state import suite_options, suite_state
+
+BUILD_HINT = "build the fixture pair first: `python -m ddtree.train fixtures` (see README, 'Fixture models')"
+
+
+def _log_to_terminal(config: pytest.Config) -> Callable[[str], None]:
+    """Service progress lines go to the terminal even while output is captured."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+
+    def log(message: str) -> None:
+        if reporter is None or capman is None:  # an xdist worker has no terminal
+            print(message, file=sys.__stderr__, flush=True)
+            return
+        with capman.global_and_fixture_disabled():
+            reporter.write_line(message)
+
+    return log
+
+
+def _gpu_visible() -> bool:
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+
+
+def require_models(options: SuiteOptions) -> None:
+    """Fail (never skip) with how to build the fixture models when a model folder is missing."""
+    for role, path in (("target", options.model_path), ("drafter", options.draft_model_path)):
+        if not (path / "config.json").is_file():
+            pytest.fail(f"{role} model folder {path} is missing or has no config.json; {BUILD_HINT}, "
+                        f"or pass --model-path / --draft-model-path, or --service fake for a model-free run",
+                        pytrace=False)
+
+
+def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
+    """The backend named by --service, per xdist worker: own port, own GPU, own host."""
+    index = worker_index()
+    host = options.service_hosts[index % len(options.service_hosts)] if options.service_hosts else None
+    log_dir = options.results_dir / "service-logs"
+    env: dict[str, str] = {}
+    if os.environ.get("PYTEST_XDIST_WORKER") and _gpu_visible() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    common: dict[str, Any] = {"host": host or "127.0.0.1", "log_dir": log_dir, "env": env}
+    if options.service == "fake":
+        from ddtree.service.fake import FakeBackend
+
+        return FakeBackend(device=options.device, **common)
+    if options.service == "url":
+        from ddtree.service.url import UrlBackend
+
+        url = options.service_url or ""
+        if host:
+            url = host if host.startswith("http") else f"http://{host}:{url.rsplit(':', 1)[-1].strip('/')}"
+        return UrlBackend(url)
+    if options.service == "systemd":
+        from ddtree.service.systemd import SystemdBackend  # type: ignore[import-not-found]
+
+        return SystemdBackend(host or options.ssh_host, options.systemd_unit)
+    require_models(options)
+    if options.service == "sglang":
+        from ddtree.service.sglang import SGLangBackend
+
+        return SGLangBackend(options.model_path, options.draft_model_path, device=options.device, **common)
+    from ddtree.service.local import LocalBackend
+
+    return LocalBackend(options.model_path, options.draft_model_path, device=options.device, **common)
+
+
+def cell_progress(config: pytest.Config, cell: Cell, metrics: dict[str, Any]) -> None:
+    """One line per measured cell: position, id, throughput, TPOT, acceptance, request counts."""
+    state = suite_state(config)
+    state.measured += 1
+    accept = metrics.get("accept_length")
+    line = (
+        f"[{state.measured}/{len(state.expansion.kept)}] {cell.id}: "
+        f"{metrics.get('output_throughput') or 0:.1f} tok/s (MAD {metrics.get('output_throughput_mad') or 0:.1f}), "
+        f"TPOT {metrics.get('median_tpot_ms') or 0:.1f} ms, "
+        f"accept {'-' if accept is None else f'{accept:.2f}'}, "
+        f"{metrics.get('completed', 0)} ok / {metrics.get('failed', 0)} failed"
+    )
+    _log_to_terminal(config)(line)
+
+
+def restore_record(manager: ServiceManager) -> dict[str, Any]:
+    """The restore outcome in the shape the sweep summary reads."""
+    default = manager.default_spec.id
+    if manager.restore_report is not None:
+        report = manager.restore_report
+        return {"ok": report.ok, "config_id": default, "checks": report.lines(), "error": None}
+    error = manager.restore_error or "no restore was attempted"
+    return {"ok": False, "config_id": default, "checks": [], "error": str(error)}
+
+
+@pytest.fixture(scope="session")
+def service(request: pytest.FixtureRequest) -> Iterator[ServiceManager]:
+    """The one service of this session (per xdist worker); teardown restores and verifies the default."""
+    config = request.config
+    options, state = suite_options(config), suite_state(config)
+    log = _log_to_terminal(config)
+    backend = build_backend(options, log)
+    state.service_used = True
+    manager = ServiceManager(backend, options.grid.default, startup_timeout_s=options.startup_timeout_s, log=log)
+    try:
+        with manager:
+            try:
+                yield manager
+            finally:  # the sweep's deploys, before the restore adds its own
+                state.deploys += [spec.id for spec in manager.deploy_history]
+    finally:
+        state.restore = restore_record(manager)
+        log(f"[{backend.name}] deploys this session: {manager.deploy_count}; {manager.restore_outcome}")
+
+
+@pytest.fixture
+def deployed(request: pytest.FixtureRequest, service: ServiceManager) -> ServiceManager:
+    """The service running this item's config (a cell's or a config_cell's); deploys when it changes."""
+    spec: SpecConfig | None = item_spec(request.node)
+    if spec is None:
+        raise pytest.UsageError(f"{request.node.nodeid}: `deployed` needs a `cell` or `config_cell` parameter")
+    service.ensure(spec)
+    return service
+
+
+@pytest.fixture(scope="session")
+def suite(request: pytest.FixtureRequest) -> SuiteOptions:
+    """The validated ddtree options of this run (grid, floors, results dir, ...)."""
+    return suite_options(request.config)
+
+
+@pytest.fixture
+def resume_skip(request: pytest.FixtureRequest, suite: SuiteOptions) -> None:
+    """With --resume, skip a perf cell whose result file exists (before anything is deployed)."""
+    from ddtree.bench.results import cell_exists
+
+    cell = request.node.callspec.params.get(CELL_ARG)
+    if suite.resume and isinstance(cell, Cell) and cell_exists(suite.results_dir, cell.config_id, cell.context, cell.concurrency):
+        suite_state(request.config).resumed.append(cell.id)
+        pytest.skip(f"--resume: {cell.id} already has a result file in {suite.results_dir}")
+
+
+@pytest.fixture(scope="session")
+def prompt_maker(suite: SuiteOptions) -> Callable[[int, int], list[list[int]]]:
+    """make(context, count) -> `count` prompts of exactly `context` token ids.
+
+    Real services get code prompts from the target's tokenizer; the model-free fake service gets
+    deterministic synthetic ids (it only counts them).
+    """
+    if suite.service == "fake":
+        def synthetic(context: int, count: int) -> list[list[int]]:
+            return [[(i * 7919 + j) % 1000 + 1 for j in range(context)] for i in range(count)]
+
+        return synthetic
+    from ddtree.bench.prompts import code_prompts  # type: ignore[import-not-found]
+    from ddtree.text import load_tokenizer
+
+    require_models(suite)
+    codec = load_tokenizer(suite.model_path)
+    if codec is None:
+        pytest.fail(f"{suite.model_path} has no tokenizer.json; {BUILD_HINT}", pytrace=False)
+
+    def real(context: int, count: int) -> list[list[int]]:
+        return code_prompts(codec, context, count)
+
+    return real

@@ -1,0 +1,241 @@
+"""The suite's command-line options and ini keys, parsed once into a validated SuiteOptions.
+
+Every option lives in one `getgroup("ddtree")`; one help constant serves the flag and its ini
+key. Bad values raise pytest.UsageError naming the option and the accepted format, before
+anything is collected or started.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.grid import Grid, load_grid, with_repeats
+from ddtree.suite.floors import Floors, check_tolerance, load_floors
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
+FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
+BACKENDS = ("local", "sglang", "systemd", "url", "fake")
+DEFAULT_GRID = "smoke"
+DEFAULT_FLOORS = "cpu-fixture"
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+HELP = {
+    "config_grid": "grid to sweep: a name in fixtures/grids (smoke, default, full) or a path to a YAML file",
+    "service": f"service backend, one of {'|'.join(BACKENDS)} (default local: python -m ddtree.server)",
+    "service_url": "base URL of an already running service (--service url), e.g. http://host:30000",
+    "ssh_host": "ssh host of the systemd unit (--service systemd)",
+    "systemd_unit": "systemd unit name (--service systemd), e.g. sglang.service",
+    "model_path": "target model folder (default: fixtures/models/target)",
+    "draft_model_path": "DFlash drafter folder (default: fixtures/models/drafter)",
+    "device": "device of the local/sglang service: cpu or cuda[:N] (default: cuda if available, else cpu)",
+    "results_dir": "where cell files and summaries go (default: results/<timestamp> under the rootdir)",
+    "floors": "floors profile in fixtures/floors (default cpu-fixture) or a path to a floors YAML",
+    "floor_tolerance": "fraction below a floor that still passes, in [0, 1) (default: the floors file's, else 0.15)",
+    "update_floors": "record this run's medians as the floors of the profile (written at session end)",
+    "repeats": "repeats per cell, an integer >= 1 (default: the grid's, else 3)",
+    "startup_timeout": "seconds to wait for the service to become ready (default 600)",
+    "resume": "skip cells whose result file already exists in --results-dir",
+    "service_hosts": "comma-separated hosts, one per xdist worker (worker i takes host i)",
+    "max_context": "model context length used to drop impossible cells (default: the target's config.json)",
+}
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ddtree", "ddtree sweep: grid, service backend, results and floors")
+
+    def opt(name: str, ini: bool = True, **kwargs: Any) -> None:
+        dest = name.replace("-", "_")
+        group.addoption(f"--{name}", dest=f"ddtree_{dest}", help=HELP[dest], **kwargs)
+        if ini:
+            parser.addini(f"ddtree_{dest}", HELP[dest], default=None)
+
+    opt("config-grid", metavar="NAME|PATH")
+    opt("service", metavar="|".join(BACKENDS))
+    opt("service-url", metavar="URL")
+    opt("ssh-host", metavar="HOST")
+    opt("systemd-unit", metavar="UNIT")
+    opt("model-path", metavar="DIR")
+    opt("draft-model-path", metavar="DIR")
+    opt("device", metavar="cpu|cuda")
+    opt("results-dir", metavar="DIR")
+    opt("floors", metavar="PATH|PROFILE")
+    opt("floor-tolerance", metavar="FRACTION")
+    opt("update-floors", ini=False, action="store_true", default=False)
+    opt("repeats", ini=False, metavar="N")
+    opt("startup-timeout", metavar="SECONDS")
+    opt("resume", ini=False, action="store_true", default=False)
+    opt("service-hosts", metavar="H1,H2,...")
+    opt("max-context", ini=False, metavar="TOKENS")
+
+
+@dataclass
+class SuiteOptions:
+    """Every ddtree option, validated; `grid_explicit` says --config-grid was given."""
+
+    grid: Grid
+    grid_explicit: bool
+    service: str
+    service_url: str | None
+    ssh_host: str | None
+    systemd_unit: str | None
+    model_path: Path
+    draft_model_path: Path
+    device: str
+    results_dir: Path
+    floors: Floors
+    tolerance: float
+    update_floors: bool
+    repeats: int
+    startup_timeout_s: float
+    resume: bool
+    service_hosts: list[str] = field(default_factory=list)
+    max_context: int | None = None
+
+
+def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
+    """(value, where it came from) for option `dest`: the flag first, then the ini key."""
+    value = config.getoption(f"ddtree_{dest}")
+    if value is not None:
+        return value, "--" + dest.replace("_", "-")
+    try:
+        ini = config.getini(f"ddtree_{dest}")
+    except ValueError:  # flags without an ini key
+        return None, "--" + dest.replace("_", "-")
+    return (ini or None), f"ini key ddtree_{dest}"
+
+
+def _usage(where: str, value: Any, accepted: str, err: Exception | None = None) -> pytest.UsageError:
+    detail = f" ({err})" if err else ""
+    return pytest.UsageError(f"{where}: {value!r} is not valid; expected {accepted}{detail}")
+
+
+def _positive_number(config: pytest.Config, dest: str, default: float, integer: bool) -> float:
+    value, where = _raw(config, dest)
+    if value is None:
+        return default
+    kind = "an integer >= 1" if integer else "a number of seconds > 0"
+    try:
+        number = int(value) if integer else float(value)
+    except (TypeError, ValueError) as err:
+        raise _usage(where, value, kind) from err
+    if number <= 0 or (integer and number < 1):
+        raise _usage(where, value, kind)
+    return number
+
+
+def default_device() -> str:
+    """cuda when torch sees a GPU, else cpu (torch is imported only when the flag is absent)."""
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_max_context(model_path: Path) -> int | None:
+    """The target's max_position_embeddings, or None when the folder is not there (yet)."""
+    from ddtree.models.configs import read_config_json
+
+    try:
+        value = read_config_json(model_path).get("max_position_embeddings")
+    except ModelLoadError:
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def parse_options(config: pytest.Config, results_dir: Path | None = None) -> SuiteOptions:
+    """Read and validate every option; `results_dir` overrides (xdist workers get the controller's)."""
+    grid_arg, grid_where = _raw(config, "config_grid")
+    try:
+        grid = load_grid(grid_arg or DEFAULT_GRID)
+    except ConfigError as err:
+        raise pytest.UsageError(f"{grid_where}: {err}") from err
+    repeats = _positive_number(config, "repeats", grid.repeats, integer=True)
+    grid = with_repeats(grid, int(repeats))
+
+    service, where = _raw(config, "service")
+    service = (service or "local").lower()
+    if service not in BACKENDS:
+        raise _usage(where, service, f"one of {', '.join(BACKENDS)}")
+    service_url, where = _raw(config, "service_url")
+    if service == "url" and not service_url:
+        raise pytest.UsageError("--service url needs --service-url http://HOST:PORT")
+    if service_url and not str(service_url).startswith(("http://", "https://")):
+        raise _usage(where, service_url, "an http:// or https:// URL")
+    ssh_host, _ = _raw(config, "ssh_host")
+    systemd_unit, _ = _raw(config, "systemd_unit")
+    if service == "systemd" and not (ssh_host and systemd_unit):
+        raise pytest.UsageError("--service systemd needs --ssh-host HOST and --systemd-unit UNIT")
+
+    device, where = _raw(config, "device")
+    device = device or default_device()
+    if device != "cpu" and not str(device).startswith("cuda"):
+        raise _usage(where, device, "cpu, cuda or cuda:N")
+
+    floors_arg, where = _raw(config, "floors")
+    try:
+        floors = load_floors(floors_arg or DEFAULT_FLOORS)
+    except ConfigError as err:
+        raise pytest.UsageError(f"{where}: {err}") from err
+    tol_value, where = _raw(config, "floor_tolerance")
+    tolerance = floors.tolerance  # the file's, which defaults to DEFAULT_TOLERANCE
+    if tol_value is not None:
+        try:
+            tolerance = check_tolerance(float(tol_value), where)
+        except (ValueError, ConfigError) as err:
+            raise _usage(where, tol_value, "a fraction in [0, 1), e.g. 0.15") from err
+
+    if results_dir is None:
+        raw_dir, _ = _raw(config, "results_dir")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        results_dir = Path(raw_dir) if raw_dir else config.rootpath / "results" / stamp
+        if not results_dir.is_absolute():
+            results_dir = config.rootpath / results_dir
+
+    model_raw, _ = _raw(config, "model_path")
+    draft_raw, _ = _raw(config, "draft_model_path")
+    model_path = Path(model_raw) if model_raw else FIXTURE_TARGET
+    hosts_raw, where = _raw(config, "service_hosts")
+    hosts = [h.strip() for h in str(hosts_raw or "").split(",") if h.strip()]
+    if hosts_raw and not hosts:
+        raise _usage(where, hosts_raw, "a comma-separated list of hosts, e.g. gpu1,gpu2")
+    max_context_flag, _ = _raw(config, "max_context")
+    max_context = (
+        int(_positive_number(config, "max_context", 1, integer=True))
+        if max_context_flag is not None
+        else model_max_context(model_path) if service in ("local", "sglang") else None
+    )
+    return SuiteOptions(
+        grid=grid,
+        grid_explicit=grid_arg is not None,
+        service=service,
+        service_url=service_url,
+        ssh_host=ssh_host,
+        systemd_unit=systemd_unit,
+        model_path=model_path,
+        draft_model_path=Path(draft_raw) if draft_raw else FIXTURE_DRAFTER,
+        device=str(device),
+        results_dir=results_dir,
+        floors=floors,
+        tolerance=tolerance,
+        update_floors=bool(config.getoption("ddtree_update_floors")),
+        repeats=int(repeats),
+        startup_timeout_s=_positive_number(config, "startup_timeout", DEFAULT_STARTUP_TIMEOUT_S, integer=False),
+        resume=bool(config.getoption("ddtree_resume")),
+        service_hosts=hosts,
+        max_context=max_context,
+    )
+
+
+def worker_index() -> int:
+    """This xdist worker's index (gw3 -> 3), 0 without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker[2:]) if worker[2:].isdigit() else 0

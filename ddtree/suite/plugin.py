@@ -1,0 +1,197 @@
+"""The pytest plugin that turns a configuration grid into a test run.
+
+Loaded by the root conftest (or `-p ddtree.suite.plugin`). It owns the options, the report
+header, cell parametrization, the order of collected items (each server config deployed once),
+opt-in selection of perf/quality items, xdist wiring and the end-of-run summary. The fixtures
+(`service`, `deployed`, ...) live in ddtree.suite.fixtures.
+
+Selection: perf and quality items need a running service and minutes per config, so a bare
+`pytest` deselects them (and says so). They are selected when `-m` mentions the marker, when
+--config-grid is given, or when a path or node id inside their directory is named.
+
+Order: items without a config first, unchanged; then config items grouped by config in deploy
+order (NONE baseline, then the default, then the grid file's order), within a config by test
+function, context and concurrency.
+
+xdist: with `-n N` and no --dist, `--dist loadgroup` is chosen; every cell of a config carries
+`xdist_group(<config id>)`, each worker owns its own service, and the controller merges the
+cell files of the shared results directory into one summary at the end.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddtree.bench.report import write_sweep_summary
+from ddtree.bench.results import write_summary_csv
+from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, Expansion, parametrize, sort_items
+from ddtree.suite.floors import write_floors
+from ddtree.suite.options import add_options, parse_options
+from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_options, suite_state
+
+pytest_plugins = ["ddtree.suite.fixtures"]
+
+OPT_IN_MARKERS = ("perf", "quality")
+SUMMARY_TITLE = "ddtree sweep"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    # Before xdist turns `-n N` into `--dist load`: cells of one config must share a worker.
+    numprocesses = getattr(config.option, "numprocesses", None)
+    if numprocesses and getattr(config.option, "dist", "no") == "no":
+        config.option.dist = "loadgroup"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "xdist_group(name): cells of one server config share a worker")
+    workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
+    results_dir = Path(workerinput["ddtree_results_dir"]) if workerinput and "ddtree_results_dir" in workerinput else None
+    if workerinput and workerinput.get("ddtree_loadgroup"):
+        config.option.loadgroup = True  # workers re-parse the args, which may lack --dist
+    options = parse_options(config, results_dir)
+    config.stash[OPTIONS_KEY] = options
+    config.stash[STATE_KEY] = SuiteState(Expansion.of(options.grid, options.max_context))
+
+
+# -- xdist (optional hooks: absent without the xdist plugin) ----------------------------------------
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["ddtree_results_dir"] = str(suite_options(node.config).results_dir)
+    node.workerinput["ddtree_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    wire = getattr(node, "workeroutput", {}).get("ddtree")
+    if wire:
+        suite_state(node.config).absorb(wire)
+
+
+# -- header, parametrization, selection and order ------------------------------------------------
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    o = suite_options(config)
+    e = suite_state(config).expansion
+    return [
+        f"ddtree grid: {o.grid.name} ({o.grid.path}): {len(e.configs)} configs, {len(e.kept)} cells, "
+        f"{len(e.removed)} removed as impossible; repeats {o.repeats}",
+        f"ddtree service: {o.service}; device: {o.device}; model: {o.model_path}; drafter: {o.draft_model_path}",
+        f"ddtree results: {o.results_dir}; floors: {o.floors.profile} ({o.floors.path}), "
+        f"tolerance {o.tolerance:g}{'; recording floors' if o.update_floors else ''}",
+    ]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if CELL_ARG in metafunc.fixturenames or CONFIG_ARG in metafunc.fixturenames:
+        parametrize(metafunc, suite_state(metafunc.config).expansion)
+
+
+def _opted_in(config: pytest.Config, item: pytest.Item, marker: str) -> bool:
+    if re.search(rf"\b{marker}\b", config.option.markexpr or ""):
+        return True
+    if suite_options(config).grid_explicit:
+        return True
+    folder = item.path.parent
+    for arg in config.args:
+        target = Path(arg.split("::")[0])
+        target = target if target.is_absolute() else config.invocation_params.dir / target
+        if target.resolve().is_relative_to(folder):
+            return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, dropped = [], []
+    for item in items:
+        needs = [m for m in OPT_IN_MARKERS if item.get_closest_marker(m)]
+        if needs and not all(_opted_in(config, item, m) for m in needs):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    sort_items(items, suite_state(config).expansion)
+
+
+# -- end of the run ------------------------------------------------------------------------------
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures (the service) are torn down
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    state, options = suite_state(config), suite_options(config)
+    if _is_worker(config):
+        config.workeroutput["ddtree"] = state.to_wire()  # type: ignore[attr-defined]
+        return
+    if not state.service_used:
+        return
+    results = options.results_dir
+    results.mkdir(parents=True, exist_ok=True)
+    write_summary_csv(results)
+    restore = _merged_restore(state, options.grid.default.id)
+    write_sweep_summary(results, options.grid.default.id, restore)
+    if options.update_floors and state.floor_updates:
+        write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})
+
+
+def _merged_restore(state: SuiteState, default_id: str) -> dict[str, Any] | None:
+    """One restore record for the run; with xdist, ok only when every worker's restore was ok."""
+    outcomes = [w["restore"] for w in state.workers if w.get("restore")] or ([state.restore] if state.restore else [])
+    if not outcomes:
+        return {"ok": False, "config_id": default_id, "checks": [], "error": "no restore outcome was recorded"}
+    if len(outcomes) == 1:
+        return outcomes[0]
+    bad = [o for o in outcomes if not o.get("ok")]
+    return {
+        "ok": not bad,
+        "config_id": default_id,
+        "checks": [f"{len(outcomes)} workers"] + [c for o in outcomes for c in (o.get("checks") or [])],
+        "error": "; ".join(str(o.get("error")) for o in bad) or None,
+    }
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state, options = suite_state(config), suite_options(config)
+    if not state.service_used and not state.expansion.removed:
+        return
+    tr = terminalreporter
+    tr.section(SUMMARY_TITLE)
+    for cell, reason in state.expansion.removed:
+        tr.write_line(f"removed impossible cell {cell.id}: {reason}")
+    if not state.service_used:
+        return
+    tr.write_line(f"deploys: {len(state.deploys)} ({', '.join(state.deploys) or 'none'})")
+    restore = _merged_restore(state, options.grid.default.id)
+    if restore and restore.get("ok"):
+        tr.write_line(f"restore: default {restore['config_id']} restored and verified "
+                      f"({'; '.join(restore.get('checks') or [])})")
+    else:
+        tr.write_line(f"restore: default {options.grid.default.id} NOT restored: "
+                      f"{(restore or {}).get('error')}", red=True)
+    if state.no_floor:
+        tr.write_line(f"no floor in {options.floors.profile} for {len(state.no_floor)} cells (passed without a "
+                      f"floor check): {', '.join(state.no_floor)}")
+    if state.resumed:
+        tr.write_line(f"resumed: {len(state.resumed)} cells kept from an earlier run: {', '.join(state.resumed)}")
+    if options.update_floors:
+        n = sum(len(v) for v in state.floor_updates.values())
+        tr.write_line(f"floors recorded: {n} cells into {options.floors.path}")
+    tr.write_line(f"results: {options.results_dir}")

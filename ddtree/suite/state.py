@@ -1,0 +1,53 @@
+"""Per-run state of the suite, kept in the pytest config's stash (one typed key each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from ddtree.suite.cells import Expansion
+from ddtree.suite.floors import Table
+from ddtree.suite.options import SuiteOptions
+
+
+@dataclass
+class SuiteState:
+    """What the run learned: deploys, the restore outcome, floors to record, cells without floors."""
+
+    expansion: Expansion
+    deploys: list[str] = field(default_factory=list)  # config ids in deploy order (all workers)
+    service_used: bool = False
+    restore: dict[str, Any] | None = None  # the shape bench.report.restore_line reads
+    floor_updates: Table = field(default_factory=dict)
+    no_floor: list[str] = field(default_factory=list)  # cell ids measured without a floor
+    resumed: list[str] = field(default_factory=list)
+    measured: int = 0  # cells measured by this process (progress lines)
+    workers: list[dict[str, Any]] = field(default_factory=list)  # per xdist worker (controller)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The part an xdist worker sends to the controller (JSON-able)."""
+        return {"deploys": self.deploys, "service_used": self.service_used, "restore": self.restore,
+                "floor_updates": self.floor_updates, "no_floor": self.no_floor, "resumed": self.resumed}
+
+    def absorb(self, wire: dict[str, Any]) -> None:
+        self.workers.append(wire)
+        self.deploys += wire.get("deploys", [])
+        self.service_used |= bool(wire.get("service_used"))
+        self.no_floor += wire.get("no_floor", [])
+        self.resumed += wire.get("resumed", [])
+        for cid, cells in (wire.get("floor_updates") or {}).items():
+            self.floor_updates.setdefault(cid, {}).update(cells)
+
+
+OPTIONS_KEY = pytest.StashKey[SuiteOptions]()
+STATE_KEY = pytest.StashKey[SuiteState]()
+
+
+def suite_options(config: pytest.Config) -> SuiteOptions:
+    return config.stash[OPTIONS_KEY]
+
+
+def suite_state(config: pytest.Config) -> SuiteState:
+    return config.stash[STATE_KEY]
