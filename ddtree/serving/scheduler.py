@@ -32,11 +32,11 @@ class DecodeBatchLike(Protocol):
     @property
     def active(self) -> int: ...
 
-    def add(self, request: Request) -> None: ...
+    def add(self, request: Request) -> list[StepOutput] | None: ...  # the first token(s)
 
     def step(self) -> list[StepOutput]: ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, request_id: str) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Scheduler:
     def _admit(self, ticket: _Ticket) -> None:
         request = ticket.request
         try:
-            self.batch.add(request)  # the prefill
+            first = self.batch.add(request)  # the prefill; it yields the first token
         except RequestError as err:
             self._fail(ticket, Failure(request.request_id, str(err), err.status_code, err.field))
             return
@@ -174,6 +174,7 @@ class Scheduler:
             return
         self._running[request.request_id] = ticket
         self.metrics.record_admitted(len(request.prompt_ids))
+        self._dispatch(first or [])
 
     def _round(self) -> None:
         started = time.perf_counter()
@@ -191,6 +192,11 @@ class Scheduler:
             return
         self.rounds += 1
         self.last_round_at = time.monotonic()
+        tokens = self._dispatch(outputs)
+        self.metrics.record_round(tokens, time.perf_counter() - started)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> int:
+        """Hand each output to its request; returns the number of tokens handed out."""
         tokens = 0
         for out in outputs:
             ticket = self._running.get(out.request_id)
@@ -206,7 +212,7 @@ class Scheduler:
                 self._finish(ticket, out)
             else:
                 ticket.sink(out)
-        self.metrics.record_round(tokens, time.perf_counter() - started)
+        return tokens
 
     def _cancel_running(self, request_id: str) -> None:
         ticket = self._running.pop(request_id, None)

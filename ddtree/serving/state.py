@@ -136,7 +136,8 @@ class ServerState:
         self.context_length = args.context_length or engine.max_context
         self.limits = Limits(self.context_length, engine.vocab_size, codec)
         self.metrics = ServerMetrics()
-        batch = engine.open_batch(spec, args.max_running_requests, self.context_length)
+        # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
+        batch = engine.open_batch(spec, args.max_running_requests, self.context_length + spec.max_nodes)
         self.scheduler = Scheduler(batch, args.max_running_requests, self.metrics)
         self.ready = False
         self.draining = False

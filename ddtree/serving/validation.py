@@ -107,8 +107,9 @@ def _validate(model: type[M], data: dict[str, Any], where: str = "") -> M:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        loc = [str(p) for p in first["loc"] if not str(p).startswith(("list[", "str", "int"))]
-        field = ".".join(([where] if where else []) + loc[:1] + [p for p in loc[1:] if not p.isdigit()])
+        # loc is (field, [union member tag], [list index]...): keep the field, drop tags and indices
+        loc = [str(p) for p in first["loc"]]
+        field = ".".join(([where] if where else []) + loc[:1])
         raise RequestError(f"{field}: {first['msg']} (got {first.get('input')!r})", field=field) from err
 
 

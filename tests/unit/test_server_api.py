@@ -1,0 +1,581 @@
+"""The HTTP API of ddtree.server in process, against the fake engine of server_fakes.
+
+Covers every endpoint's fields and their consistency, streaming (and cancellation when the client
+goes away), continuous batching (joins between rounds, a cap on running requests, outputs that do
+not depend on the batch), every bad-input case (4xx naming the field, and the server keeps
+serving), warm-up gating of the health endpoints, draining, and the metrics counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.engine import Request
+from ddtree.serving.args import ServerArgs
+from ddtree.serving.state import ServerState
+from ddtree.server import create_app, init_line
+from ddtree.text import TextCodec
+from tests.unit.server_fakes import FakeEngine, expected_output
+
+SPEC = SpecConfig()  # b8-k4-w2048-bs8
+CONTEXT = 256
+
+
+def make_args(spec: SpecConfig = SPEC, **over: Any) -> ServerArgs:
+    base: dict[str, Any] = dict(
+        model_path="fake-target",
+        speculative_algorithm=spec.algorithm.value,
+        speculative_draft_model_path=None if not spec.speculative else "fake-drafter",
+        speculative_ddtree_budget=spec.budget,
+        speculative_ddtree_topk=spec.topk,
+        speculative_num_draft_tokens=spec.block_size,
+        speculative_draft_window_size=spec.draft_window or 0,
+        max_running_requests=8,
+        context_length=CONTEXT,
+    )
+    base.update(over)
+    return ServerArgs(**base)
+
+
+def make_app(
+    engine: FakeEngine | None = None, spec: SpecConfig = SPEC, codec: TextCodec | None = None, **over: Any
+) -> tuple[FastAPI, FakeEngine]:
+    engine = engine or FakeEngine()
+    return create_app(engine, spec, make_args(spec, **over), codec), engine
+
+
+def state_of(app: FastAPI) -> ServerState:
+    return app.state.ddtree
+
+
+@asynccontextmanager
+async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ddtree", timeout=30) as client:
+            if wait_ready:
+                for _ in range(500):
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the server never became ready")
+            yield client
+
+
+def run(app: FastAPI, body: Callable[[httpx.AsyncClient], Awaitable[None]], wait_ready: bool = True) -> None:
+    async def main() -> None:
+        async with serving(app, wait_ready) as client:
+            await body(client)
+
+    asyncio.run(main())
+
+
+def gen(ids: list[int], **params: Any) -> dict[str, Any]:
+    return {"input_ids": ids, "sampling_params": params}
+
+
+def expected(ids: list[int], engine: FakeEngine, **params: Any) -> tuple[list[int], str]:
+    req = Request(
+        "x",
+        ids,
+        params.get("max_new_tokens", 128),
+        params.get("temperature", 0.0),
+        params.get("seed"),
+        tuple(params.get("stop_token_ids", ())),
+        params.get("ignore_eos", False),
+    )
+    return expected_output(req, engine.vocab_size, engine.eos_token_id)
+
+
+def check_meta(payload: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+    meta = payload["meta_info"]
+    assert meta["completion_tokens"] == len(payload["output_ids"])
+    assert meta["prompt_tokens"] == prompt_len
+    assert meta["cached_tokens"] == 0
+    assert meta["e2e_latency"] > 0
+    verify = meta["spec_verify_ct"]
+    assert verify > 0
+    assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / verify)
+    hist = meta["spec_accept_histogram"]
+    assert sum(hist) == verify, f"histogram {hist} sums to {sum(hist)}, verify_ct {verify}"
+    rounds = [length for length, count in enumerate(hist) for _ in range(count)]
+    assert meta["spec_num_correct_drafts"] == sum(r - 1 for r in rounds)
+    return meta
+
+
+# -- /generate ------------------------------------------------------------------------------------
+def test_generate_returns_the_engine_tokens_and_consistent_meta_info() -> None:
+    app, engine = make_app()
+    prompt = [11, 12, 13, 14]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=gen(prompt, max_new_tokens=40, ignore_eos=True, temperature=0))
+        assert r.status_code == 200, r.text
+        payload = r.json()
+        want, _ = expected(prompt, engine, max_new_tokens=40, ignore_eos=True)
+        assert payload["output_ids"] == want
+        assert payload["text"] == ""  # no tokenizer.json
+        meta = check_meta(payload, len(prompt))
+        assert meta["finish_reason"] == {"type": "length", "length": 40}
+        assert meta["completion_tokens"] == 40
+
+    run(app, body)
+
+
+def test_generate_stops_on_a_stop_token_and_names_it() -> None:
+    app, engine = make_app()
+    prompt = [3, 1, 4, 1, 5]
+    free, _ = expected(prompt, engine, max_new_tokens=30, ignore_eos=True)
+    stop = free[6]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=gen(prompt, max_new_tokens=30, ignore_eos=True, stop_token_ids=[stop]))
+        payload = r.json()
+        cut = free.index(stop) + 1
+        assert payload["output_ids"] == free[:cut]
+        assert payload["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+    run(app, body)
+
+
+def test_generate_eos_finishes_unless_ignored() -> None:
+    engine = FakeEngine(vocab_size=7, eos_token_id=2)  # small vocab: eos comes quickly
+    app, _ = make_app(engine)
+    prompt = [1, 3]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        want, reason = expected(prompt, engine, max_new_tokens=60)
+        assert reason == "stop", "test setup: eos must occur within 60 tokens"
+        r = (await c.post("/generate", json=gen(prompt, max_new_tokens=60))).json()
+        assert r["output_ids"] == want and r["output_ids"][-1] == 2
+        assert r["meta_info"]["finish_reason"]["type"] == "stop"
+        r = (await c.post("/generate", json=gen(prompt, max_new_tokens=60, ignore_eos=True))).json()
+        assert len(r["output_ids"]) == 60 and r["meta_info"]["finish_reason"]["type"] == "length"
+
+    run(app, body)
+
+
+def test_sampling_depends_on_the_seed_only() -> None:
+    app, engine = make_app()
+    prompt = [7, 8, 9]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        outs = []
+        for seed in (1, 1, 2):
+            r = await c.post("/generate", json=gen(prompt, max_new_tokens=16, temperature=0.8, seed=seed, ignore_eos=True))
+            outs.append(r.json()["output_ids"])
+        assert outs[0] == outs[1] == expected(prompt, engine, max_new_tokens=16, temperature=0.8, seed=1, ignore_eos=True)[0]
+        assert outs[0] != outs[2]
+
+    run(app, body)
+
+
+def _word_codec() -> TextCodec:
+    words = ["<unk>", "<eos>", "the", "cat", "sat", "on", "mat", "a", "dog"] + [f"w{i}" for i in range(88)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return TextCodec(tok, "inline")
+
+
+def test_text_prompt_is_encoded_and_output_decoded() -> None:
+    codec = _word_codec()
+    app, engine = make_app(codec=codec)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"text": "the cat sat", "sampling_params": {"max_new_tokens": 9, "ignore_eos": True}})
+        payload = r.json()
+        want, _ = expected([2, 3, 4], engine, max_new_tokens=9, ignore_eos=True)
+        assert payload["output_ids"] == want
+        assert payload["text"] == codec.decode(want) and payload["text"]
+        assert payload["meta_info"]["prompt_tokens"] == 3
+
+    run(app, body)
+
+
+def test_batched_input_returns_a_list_in_order() -> None:
+    app, engine = make_app()
+    prompts = [[1, 2], [3, 4, 5], [6]]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}, "rid": ["a", "b", "c"]})
+        payload = r.json()
+        assert isinstance(payload, list) and len(payload) == 3
+        for p, out, rid in zip(prompts, payload, "abc", strict=True):
+            assert out["output_ids"] == expected(p, engine, max_new_tokens=12, ignore_eos=True)[0]
+            assert out["meta_info"]["id"] == rid
+
+    run(app, body)
+
+
+def test_default_max_new_tokens_is_128() -> None:
+    app, _ = make_app()
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"ignore_eos": True}})
+        assert r.json()["meta_info"]["completion_tokens"] == 128
+
+    run(app, body)
+
+
+# -- streaming --------------------------------------------------------------------------------------
+def parse_sse(text: str) -> list[Any]:
+    events = [block for block in text.split("\n\n") if block]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def test_stream_chunks_are_cumulative_and_end_with_done() -> None:
+    app, engine = make_app()
+    prompt = [21, 22, 23]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=dict(gen(prompt, max_new_tokens=50, ignore_eos=True), stream=True))
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = parse_sse(r.text)
+        assert len(chunks) > 2
+        for before, after in zip(chunks, chunks[1:]):
+            assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+            assert len(after["output_ids"]) > len(before["output_ids"])
+        assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
+        last = chunks[-1]
+        assert last["output_ids"] == expected(prompt, engine, max_new_tokens=50, ignore_eos=True)[0]
+        check_meta(last, len(prompt))
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+
+    run(app, body)
+
+
+def test_client_disconnect_mid_stream_cancels_the_request() -> None:
+    engine = FakeEngine()
+    engine.step_delay = 0.01
+    app, _ = make_app(engine)
+    batch = engine.batches[0]
+
+    async def main() -> None:
+        async with serving(app) as client:
+            body = json.dumps(dict(gen([9, 9, 9], max_new_tokens=200, ignore_eos=True), stream=True, rid="gone")).encode()
+            received: list[dict[str, Any]] = []
+            disconnect = asyncio.Event()
+            sent_request = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent_request
+                if not sent_request:
+                    sent_request = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await disconnect.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                received.append(message)
+                if message["type"] == "http.response.body" and message.get("body"):
+                    disconnect.set()  # the client reads one chunk and goes away
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": "/generate", "raw_path": b"/generate",
+                "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1), "server": ("ddtree", 80), "state": {},
+            }
+            await asyncio.wait_for(app(scope, receive, send), 10)
+            for _ in range(200):
+                if "gone" in batch.cancelled and state_of(app).scheduler.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert "gone" in batch.cancelled
+            assert "gone" not in batch.rows
+            assert state_of(app).scheduler.in_flight == 0
+            bodies = [m for m in received if m["type"] == "http.response.body" and m.get("body")]
+            assert b"[DONE]" not in b"".join(m["body"] for m in bodies)
+            # the server keeps serving
+            r = await client.post("/generate", json=gen([1], max_new_tokens=3, ignore_eos=True))
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+            metrics = (await client.get("/metrics")).text
+            assert 'ddtree_requests_total{outcome="abort"} 1.0' in metrics
+
+    asyncio.run(main())
+
+
+# -- continuous batching -----------------------------------------------------------------------------
+def test_concurrent_requests_match_their_single_outputs_and_respect_the_cap() -> None:
+    engine = FakeEngine()
+    engine.step_delay = 0.002
+    app, _ = make_app(engine, max_running_requests=4)
+    batch = engine.batches[0]
+    prompts = [[i, i + 1, (3 * i) % 50] for i in range(12)]
+    lengths = [5 + 7 * i for i in range(12)]  # different lengths: rows leave and others join
+
+    async def body(c: httpx.AsyncClient) -> None:
+        solo = []
+        for p, n in zip(prompts, lengths, strict=True):
+            solo.append((await c.post("/generate", json=gen(p, max_new_tokens=n, ignore_eos=True))).json()["output_ids"])
+        steps_before = len(batch.step_sizes)
+        results = await asyncio.gather(
+            *(c.post("/generate", json=gen(p, max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths, strict=True))
+        )
+        together = [r.json()["output_ids"] for r in results]
+        assert together == solo
+        sizes = batch.step_sizes[steps_before:]
+        assert max(sizes) == 4, f"rows per round {sizes}: the batch never filled to max_running_requests=4"
+        assert len(sizes) < sum(lengths), "requests were not decoded together"
+
+    run(app, body)
+
+
+# -- other endpoints ---------------------------------------------------------------------------------
+def test_v1_completions_shape_and_usage() -> None:
+    app, engine = make_app(codec=_word_codec())
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": [2, 3, 4], "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        want, _ = expected([2, 3, 4], engine, max_new_tokens=10, ignore_eos=True)
+        assert out["object"] == "text_completion" and out["id"]
+        assert out["choices"][0]["text"] == _word_codec().decode(want)
+        assert out["choices"][0]["finish_reason"] == "length"
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+        spec = out["sglext"]["spec_tokens_details"]
+        assert spec["spec_accept_length"] == pytest.approx(10 / spec["spec_verify_ct"])
+        r = await c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True})
+        chunks = parse_sse(r.text)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == _word_codec().decode(
+            expected([2, 3], engine, max_new_tokens=10, ignore_eos=True)[0]
+        )
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 10
+
+    run(app, body)
+
+
+def test_server_info_reports_every_resolved_argument() -> None:
+    spec = SpecConfig(budget=12, topk=3, block_size=8, draft_window=1024)
+    app, _ = make_app(spec=spec)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        await c.post("/generate", json=gen([1, 2, 3], max_new_tokens=20, ignore_eos=True))
+        info = (await c.get("/server_info")).json()
+        assert info["speculative_algorithm"] == "DDTREE"
+        assert info["speculative_ddtree_budget"] == 12
+        assert info["speculative_ddtree_topk"] == 3
+        assert info["speculative_num_draft_tokens"] == 8
+        assert info["speculative_draft_window_size"] == 1024
+        assert info["spec_config_id"] == "b12-k3-w1024-bs8"
+        for key in ("model_path", "speculative_draft_model_path", "device", "dtype", "max_running_requests",
+                    "context_length", "host", "port", "launch_command", "version"):
+            assert key in info, key
+        assert info["context_length"] == CONTEXT
+        state = info["internal_states"][0]
+        assert state["avg_spec_accept_length"] >= 1.0
+        assert "last_gen_throughput" in state
+        assert (await c.get("/get_server_info")).json()["speculative_ddtree_budget"] == 12
+        model = (await c.get("/model_info")).json()
+        assert model["model_path"] == "fake-target" and model["is_generation"] is True
+        assert model["vocab_size"] == 97
+
+    run(app, body)
+
+
+def test_flush_cache_and_metrics_counters_move() -> None:
+    app, _ = make_app()
+
+    def value(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{name} missing from /metrics")
+
+    async def body(c: httpx.AsyncClient) -> None:
+        assert (await c.get("/flush_cache")).status_code == 200
+        assert (await c.post("/flush_cache")).status_code == 200
+        before = (await c.get("/metrics")).text
+        r = (await c.post("/generate", json=gen([4, 5, 6, 7], max_new_tokens=25, ignore_eos=True))).json()
+        await c.post("/generate", json=gen([4], max_new_tokens=0))
+        after = (await c.get("/metrics")).text
+        meta = r["meta_info"]
+        assert value(after, "ddtree_prompt_tokens_total") - value(before, "ddtree_prompt_tokens_total") == 4
+        assert value(after, "ddtree_generation_tokens_total") - value(before, "ddtree_generation_tokens_total") == 25
+        assert value(after, "ddtree_spec_verify_steps_total") - value(before, "ddtree_spec_verify_steps_total") == meta["spec_verify_ct"]
+        drafts = value(after, "ddtree_spec_accepted_drafts_total") - value(before, "ddtree_spec_accepted_drafts_total")
+        assert drafts == meta["spec_num_correct_drafts"]
+        assert 'ddtree_requests_total{outcome="length"}' in after
+        assert value(after, 'ddtree_requests_total{outcome="invalid"}') == 1
+
+    run(app, body)
+
+
+def test_health_is_503_until_the_warm_up_generation_has_run() -> None:
+    engine = FakeEngine()
+    engine.gate.clear()  # hold every round: the warm-up cannot finish
+    app, _ = make_app(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        await asyncio.sleep(0.05)
+        assert (await c.get("/health")).status_code == 503
+        assert (await c.get("/health_generate")).status_code == 503
+        assert "error" in (await c.get("/health")).json()
+        engine.gate.set()
+        for _ in range(200):
+            if (await c.get("/health")).status_code == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/health_generate")).status_code == 200
+
+    run(app, body, wait_ready=False)
+
+
+def test_draining_refuses_new_work_with_503() -> None:
+    app, _ = make_app()
+
+    async def body(c: httpx.AsyncClient) -> None:
+        state_of(app).begin_drain()
+        r = await c.post("/generate", json=gen([1], max_new_tokens=2))
+        assert r.status_code == 503 and r.json()["error"]["message"]
+        assert (await c.get("/health_generate")).status_code == 503
+
+    run(app, body)
+
+
+def test_engine_failures_answer_with_an_error_and_the_server_recovers() -> None:
+    engine = FakeEngine()
+    app, _ = make_app(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        engine.fail_add = True
+        r = await c.post("/generate", json=gen([1, 2], max_new_tokens=4))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input_ids"
+        engine.fail_add = False
+        engine.fail_step = True
+        r = await c.post("/generate", json=gen([1, 2], max_new_tokens=4))
+        assert r.status_code == 500 and "decode failed" in r.json()["error"]["message"]
+        engine.fail_step = False
+        r = await c.post("/generate", json=gen([1, 2], max_new_tokens=4, ignore_eos=True))
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+
+    run(app, body)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+BAD = [
+    pytest.param(b"{not json", "body", id="malformed-json"),
+    pytest.param(b"[1, 2]", "body", id="not-an-object"),
+    pytest.param({"sampling_params": {"max_new_tokens": 4}}, "text", id="missing-prompt"),
+    pytest.param({"text": "a", "input_ids": [1]}, "input_ids", id="text-and-input-ids"),
+    pytest.param({"input_ids": []}, "input_ids", id="empty-input-ids"),
+    pytest.param({"text": ""}, "text", id="empty-text"),
+    pytest.param({"text": "no tokenizer here"}, "text", id="text-without-tokenizer"),
+    pytest.param(gen([1], foo=1), "sampling_params.foo", id="unknown-sampling-field"),
+    pytest.param({"input_ids": [1], "bogus": True}, "bogus", id="unknown-top-level-field"),
+    pytest.param(gen([1], max_new_tokens=-3), "sampling_params.max_new_tokens", id="negative-max-new-tokens"),
+    pytest.param(gen([1], max_new_tokens=0), "sampling_params.max_new_tokens", id="zero-max-new-tokens"),
+    pytest.param(gen([1], max_new_tokens=10**9), "sampling_params.max_new_tokens", id="absurd-max-new-tokens"),
+    pytest.param(gen([1], max_new_tokens=2.5), "sampling_params.max_new_tokens", id="fractional-max-new-tokens"),
+    pytest.param(gen([1], max_new_tokens="8"), "sampling_params.max_new_tokens", id="string-max-new-tokens"),
+    pytest.param(gen([1, 97]), "input_ids", id="token-past-vocab"),
+    pytest.param(gen([-1]), "input_ids", id="negative-token"),
+    pytest.param(gen([1] * CONTEXT), "input_ids", id="prompt-longer-than-context"),
+    pytest.param(gen([1] * 200, max_new_tokens=100), "sampling_params.max_new_tokens", id="prompt-plus-output-past-context"),
+    pytest.param(gen([1], temperature=-0.1), "sampling_params.temperature", id="negative-temperature"),
+    pytest.param(gen([1], top_p=0.9), "sampling_params.top_p", id="top-p-unsupported"),
+    pytest.param(gen([1], top_k=5), "sampling_params.top_k", id="top-k-unsupported"),
+    pytest.param(gen([1], seed=-1), "sampling_params.seed", id="negative-seed"),
+    pytest.param(gen([1], stop_token_ids=[1000]), "sampling_params.stop_token_ids", id="stop-token-past-vocab"),
+    pytest.param({"input_ids": [[1], [2]], "stream": True}, "stream", id="stream-a-batch"),
+    pytest.param({"input_ids": [1], "stream": "yes"}, "stream", id="stream-not-bool"),
+]
+
+
+@pytest.mark.parametrize(("payload", "field"), BAD)
+def test_bad_generate_input_is_a_4xx_naming_the_field(payload: Any, field: str) -> None:
+    app, engine = make_app()
+    batch = engine.batches[0]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        added_before = len(batch.added)
+        if isinstance(payload, bytes):
+            r = await c.post("/generate", content=payload, headers={"content-type": "application/json"})
+        else:
+            r = await c.post("/generate", json=payload)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["field"] == field, err
+        assert err["message"].startswith(field + ":"), err["message"]
+        assert len(batch.added) == added_before, "a bad request reached the batch"
+        ok = await c.post("/generate", json=gen([1, 2], max_new_tokens=3, ignore_eos=True))
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+    run(app, body)
+
+
+def test_prompt_past_context_names_both_numbers() -> None:
+    app, _ = make_app()
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=gen([1] * 200, max_new_tokens=100))
+        message = r.json()["error"]["message"]
+        assert "200" in message and "100" in message and str(CONTEXT) in message
+
+    run(app, body)
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        pytest.param({"max_tokens": 4}, "prompt", id="missing-prompt"),
+        pytest.param({"prompt": [1], "max_tokens": 0}, "max_tokens", id="zero-max-tokens"),
+        pytest.param({"prompt": [1], "n": 2}, "n", id="n-unsupported"),
+        pytest.param({"prompt": [1], "temperature": -1}, "temperature", id="negative-temperature"),
+        pytest.param({"prompt": [1], "logit_bias": {}}, "logit_bias", id="unknown-field"),
+    ],
+)
+def test_bad_completion_input_is_a_400_naming_the_field(payload: dict[str, Any], field: str) -> None:
+    app, _ = make_app()
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/v1/completions", json=payload)
+        assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
+
+    run(app, body)
+
+
+def test_duplicate_rid_in_flight_is_rejected() -> None:
+    engine = FakeEngine()
+    engine.step_delay = 0.01
+    app, _ = make_app(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        first = asyncio.create_task(c.post("/generate", json=dict(gen([1], max_new_tokens=30, ignore_eos=True), rid="same")))
+        while state_of(app).scheduler.in_flight == 0:
+            await asyncio.sleep(0.005)
+        r = await c.post("/generate", json=dict(gen([2], max_new_tokens=3), rid="same"))
+        assert r.status_code == 400 and r.json()["error"]["field"] == "rid"
+        assert (await first).status_code == 200
+
+    run(app, body)
+
+
+# -- log lines --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "line"),
+    [
+        pytest.param(SpecConfig(), "Initialized DDTree worker. block_size=8, tree_budget=8, topk=4, draft_window_size=2048, compact_cache=True", id="ddtree"),
+        pytest.param(SpecConfig(budget=16, topk=2, block_size=16, draft_window=None), "Initialized DDTree worker. block_size=16, tree_budget=16, topk=2, draft_window_size=None, compact_cache=False", id="ddtree-no-window"),
+        pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8), "Initialized DDTree worker. block_size=8, tree_budget=7, topk=1, draft_window_size=2048, compact_cache=True", id="dflash"),
+        pytest.param(SpecConfig(Algorithm.NONE), "Initialized AR worker.", id="ar"),
+    ],
+)
+def test_init_line(spec: SpecConfig, line: str) -> None:
+    assert init_line(spec) == line
