@@ -285,3 +285,14 @@ def test_bad_limits_name_the_field(kwargs: dict[str, object], field: str) -> Non
 def test_program_must_be_text() -> None:
     with pytest.raises(ConfigError, match="^program:"):
         check_program(b"pass\n")  # type: ignore[arg-type]
+
+
+def test_process_limit_is_relative_to_what_the_user_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddtree.quality import sandbox
+
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    assert sandbox._nproc_limit() == 0  # root ignores RLIMIT_NPROC, so none is set
+    me = psutil.Process().uids().real
+    monkeypatch.setattr(os, "getuid", lambda: me if me != 0 else 987654)
+    expected_min = sandbox.NPROC_HEADROOM + (1 if me != 0 else 0)
+    assert sandbox._nproc_limit() >= expected_min
