@@ -579,3 +579,66 @@ def test_duplicate_rid_in_flight_is_rejected() -> None:
 )
 def test_init_line(spec: SpecConfig, line: str) -> None:
     assert init_line(spec) == line
+
+
+# -- command line -----------------------------------------------------------------------------------
+def _folders(tmp_path: Any, drafter_cfg: dict[str, Any] | None = None) -> tuple[str, str]:
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    target.mkdir()
+    drafter.mkdir()
+    (target / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    (drafter / "config.json").write_text(json.dumps(drafter_cfg or {}))
+    return str(target), str(drafter)
+
+
+def test_resolve_args_defaults_follow_sglang(tmp_path: Any) -> None:
+    from ddtree.server import build_parser
+    from ddtree.serving.args import resolve_args
+
+    target, drafter = _folders(tmp_path, {"block_size": 16})
+    ns = build_parser().parse_args(["--model-path", target])
+    assert (ns.host, ns.port, ns.max_running_requests, ns.speculative_ddtree_budget, ns.speculative_ddtree_topk) == (
+        "127.0.0.1", 30000, 32, 8, 4
+    )
+    args = resolve_args(["--model-path", target, "--speculative-algorithm", "ddtree",
+                         "--speculative-draft-model-path", drafter, "--device", "cpu"])
+    assert args.speculative_num_draft_tokens == 16, "block size comes from the drafter config"
+    assert args.speculative_draft_window_size == 2048
+    assert args.spec.id == "b8-k4-w2048-bs16"
+    assert "--speculative-draft-model-path" in args.launch_command
+    args = resolve_args(["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+                         drafter, "--speculative-num-draft-tokens", "8", "--speculative-draft-window-size", "0", "--device", "cpu"])
+    assert (args.speculative_ddtree_budget, args.speculative_ddtree_topk, args.spec.draft_window) == (7, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        pytest.param(["--speculative-ddtree-budget", "0"], "--speculative-ddtree-budget", id="budget-zero"),
+        pytest.param(["--speculative-ddtree-topk", "0"], "--speculative-ddtree-topk", id="topk-zero"),
+        pytest.param(["--speculative-draft-window-size", "4"], "--speculative-draft-window-size", id="window-below-block"),
+        pytest.param(["--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens", id="block-one"),
+        pytest.param(["--max-running-requests", "0"], "--max-running-requests", id="no-running-requests"),
+        pytest.param(["--context-length", "5000"], "--context-length", id="context-past-positions"),
+    ],
+)
+def test_main_rejects_bad_flags_with_status_2_before_loading(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], extra: list[str], flag: str
+) -> None:
+    from ddtree.server import main
+
+    target, drafter = _folders(tmp_path)
+    argv = ["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", drafter,
+            "--device", "cpu", *extra]
+    assert main(argv) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_main_requires_a_drafter_for_speculation(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddtree.server import main
+
+    target, _ = _folders(tmp_path)
+    assert main(["--model-path", target, "--speculative-algorithm", "DDTREE", "--device", "cpu"]) == 2
+    assert "--speculative-draft-model-path" in capsys.readouterr().err
+    assert main(["--model-path", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert main(["--model-path", target, "--speculative-algorithm", "EAGLE"]) == 2
