@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _DrainingServer(config, state, args.drain_timeout)
     server.run()
     if state.fatal is not None:
-        log.error("%s", state.fatal)
-        return 1
+        return 1  # the warm-up failure is already logged
     return 0 if server.started else 1
 
 

@@ -642,3 +642,16 @@ def test_main_requires_a_drafter_for_speculation(tmp_path: Any, capsys: pytest.C
     assert "--speculative-draft-model-path" in capsys.readouterr().err
     assert main(["--model-path", str(tmp_path / "missing"), "--device", "cpu"]) == 2
     assert main(["--model-path", target, "--speculative-algorithm", "EAGLE"]) == 2
+
+
+def test_load_tokenizer_reads_tokenizer_json_or_returns_none(tmp_path: Any) -> None:
+    from ddtree.errors import ModelLoadError
+    from ddtree.text import load_tokenizer
+
+    assert load_tokenizer(tmp_path) is None
+    _word_codec().tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = load_tokenizer(tmp_path)
+    assert codec is not None and codec.encode("the cat") == [2, 3] and codec.decode([2, 3]) == "the cat"
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        load_tokenizer(tmp_path)
