@@ -15,7 +15,7 @@ from torch import nn
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
-from ddtree.models.target import Target
+from ddtree.models.target import Target, init_weights_
 
 
 class DraftAttention(nn.Module):
@@ -264,15 +264,9 @@ def check_fit(cfg: DrafterConfig, target: TargetConfig, where: str = "drafter") 
 
 
 def init_drafter(config: DrafterConfig, target: Target, seed: int | None = None) -> DFlashDrafter:
-    """A randomly initialised drafter on the target's device and dtype."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    model = DFlashDrafter(config, target)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.to(device=target.device, dtype=target.dtype)
+    """A randomly initialised drafter, built on the target's device in the target's dtype."""
+    gen = torch.Generator(device=target.device).manual_seed(seed) if seed is not None else None
+    with torch.device(target.device):
+        model = DFlashDrafter(config, target)
+    init_weights_(model, gen)
+    return model.to(dtype=target.dtype)

@@ -216,15 +216,25 @@ class Target(nn.Module):
 
 def init_target(config: TargetConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = None) -> Target:
-    """A randomly initialised target (normal(0, 0.02) weights, unit norms, zero biases)."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    model = Target(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.to(device=device, dtype=dtype)
+    """A randomly initialised target (normal(0, 0.02) weights, unit norms, zero biases), built on `device`.
+
+    The same seed gives the same weights on the same device type (the generator lives on the device).
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    with torch.device(device):
+        model = Target(config)
+    init_weights_(model, gen)
+    return model.to(dtype=dtype)
+
+
+@torch.no_grad()
+def init_weights_(model: nn.Module, gen: torch.Generator | None) -> None:
+    """normal(0, 0.02) for matrices and embeddings, 1 for norms, 0 for biases (in place)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

@@ -325,3 +325,32 @@ def test_missing_drafter_tensor(tmp_path: Path, target) -> None:
     save_file(t, str(f))
     with pytest.raises(ModelLoadError, match="missing tensor 'hidden_norm.weight'"):
         load_drafter(tmp_path, target)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_append_and_draft_match_cpu_without_host_sync(tmp_path: Path, target, drafter, seq) -> None:
+    ids, taps = seq
+    save_target(target, tmp_path / "t")
+    save_drafter(drafter, tmp_path / "d")
+    gpu_target = load_target(tmp_path / "t", device="cuda", dtype=torch.float32)
+    gpu_drafter = load_drafter(tmp_path / "d", gpu_target, device="cuda", dtype=torch.float32)
+    outs = []
+    for d, dev in ((drafter, "cpu"), (gpu_drafter, "cuda")):
+        t = taps.to(dev)
+        pos = torch.arange(12, device=dev)[None].expand(2, 12)
+        counts = torch.tensor([12, 7], device=dev)
+        block = _block(ids, [12, 7], 4).to(dev)
+        start = torch.tensor([12, 7], device=dev)
+        ctx = d.new_context(2, 5, max_len=32)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                d.append_context(ctx, t[:, :12], pos, counts)
+                outs.append(d(ctx, block, start).cpu() if dev == "cpu" else d(ctx, block, start))
+        finally:
+            if dev == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(outs[1].cpu(), outs[0], atol=1e-3, rtol=0)

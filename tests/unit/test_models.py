@@ -291,3 +291,43 @@ def test_legacy_rope_theta_and_default_scaling_accepted(folder: Path) -> None:
         c.update(rope_theta=50000.0, rope_scaling={"rope_type": "default"})
     _edit_config(folder, legacy)
     assert load_target(folder).config.rope_theta == 50000.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_verify_compact_decode_match_cpu_without_host_sync(pair) -> None:
+    """On CUDA the mask, writes, verify and compaction never wait for the host, and match the CPU."""
+    _, cpu_model, path = pair
+    model = load_target(path, device="cuda", dtype=torch.float32)
+    parents, depths = _tree()
+    n = len(parents) + 1
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[parents[i - 1]]
+    gen = torch.Generator().manual_seed(10)
+    prefix = torch.randint(0, VOCAB, (2, 8), generator=gen)
+    tokens = torch.randint(0, VOCAB, (2, n), generator=gen)
+    tpos = (8 + torch.tensor([0] + depths))[None].expand(2, n)
+    src, counts = torch.tensor([[0, 2, 5, 3], [0, 1, 4, 6]]), torch.tensor([3, 4])
+    results = []
+    for m, dev in ((cpu_model, "cpu"), (model, "cuda")):
+        args = [t.to(dev) for t in (prefix, tokens, tpos, anc[None].expand(2, n, n).contiguous(), src, counts)]
+        p, t, tp, mask, s, c = args
+        ppos = torch.arange(8, device=dev)[None].expand(2, 8)
+        cache = m.new_cache(2, 32)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                m(p, ppos, cache)
+                cache.advance(torch.full((2,), 8, device=dev))
+                verify, taps = m(t, tp, cache, tree_mask=mask, tap_layers=[0, 1])
+                cache.compact(s, c)
+                step, _ = m(t[:, :1], cache.lengths[:, None].clone(), cache)
+        finally:
+            if dev == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        results.append([x.cpu() for x in (verify, taps, step, cache.lengths)])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=0)  # TF32/kernels may differ slightly
