@@ -37,6 +37,8 @@ pytest_plugins = ["ddtree.suite.fixtures"]
 
 OPT_IN_MARKERS = ("perf", "quality")
 SUMMARY_TITLE = "ddtree sweep"
+OPT_IN_NOTE = ("deselected {n} perf/quality items: they need a service; select them with -m perf, "
+               "-m quality, --config-grid NAME or by naming their folder")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -122,6 +124,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         else:
             kept.append(item)
     if dropped:
+        suite_state(config).opt_in_deselected = len(dropped)
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     sort_items(items, suite_state(config).expansion)
@@ -170,11 +173,14 @@ def _merged_restore(state: SuiteState, default_id: str) -> dict[str, Any] | None
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state, options = suite_state(config), suite_options(config)
-    if not state.service_used and not state.expansion.removed:
+    if not (state.service_used or state.expansion.removed or state.opt_in_deselected):
         return
     tr = terminalreporter
     tr.section(SUMMARY_TITLE)
-    for cell, reason in state.expansion.removed:
+    if state.opt_in_deselected:
+        tr.write_line(OPT_IN_NOTE.format(n=state.opt_in_deselected))
+    quiet_removed = state.opt_in_deselected and not state.service_used  # a bare run selected no cells
+    for cell, reason in [] if quiet_removed else state.expansion.removed:
         tr.write_line(f"removed impossible cell {cell.id}: {reason}")
     if not state.service_used:
         return

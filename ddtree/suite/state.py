@@ -23,6 +23,7 @@ class SuiteState:
     floor_updates: Table = field(default_factory=dict)
     no_floor: list[str] = field(default_factory=list)  # cell ids measured without a floor
     resumed: list[str] = field(default_factory=list)
+    opt_in_deselected: int = 0  # perf/quality items a bare run left out
     measured: int = 0  # cells measured by this process (progress lines)
     workers: list[dict[str, Any]] = field(default_factory=list)  # per xdist worker (controller)
 
