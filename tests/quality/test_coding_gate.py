@@ -1,0 +1,82 @@
+"""Coding gate per server config: pass@k on the gate problems, and an acceptance floor.
+
+    pytest -m quality --config-grid smoke          # ids are config ids: b8-k4-w2048-bs8, ar, ...
+
+Completions come from the deployed service's /generate (text prompt, the grid's temperature and
+max_new_tokens), cut at the first top-level statement, run in the sandbox. For DFLASH/DDTREE the
+token-weighted accept length over the gate's requests (sum completion_tokens / sum
+spec_verify_ct from meta_info) must reach the grid's accept_floor, so a drafter that collapsed
+to one token per step fails even when the outputs are still right.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ddtree.bench.results import atomic_write_text
+from ddtree.config import SpecConfig
+from ddtree.quality import gate_problems, run_gate
+from ddtree.service.base import http_client
+from ddtree.service.manager import ServiceManager
+from ddtree.suite.options import SuiteOptions
+
+pytestmark = pytest.mark.quality
+
+GENERATE_TIMEOUT_S = 600.0
+
+
+class Completer:
+    """complete(prompt, n) over /generate, keeping the token counts for the acceptance floor."""
+
+    def __init__(self, base_url: str, temperature: float, max_new_tokens: int) -> None:
+        self.url = base_url + "/generate"
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.tokens = 0
+        self.verify_steps = 0
+
+    def __call__(self, prompt: str, n: int) -> list[str]:
+        texts = []
+        with http_client(GENERATE_TIMEOUT_S) as client:
+            for seed in range(n):  # T > 0 needs a different seed per sample; T = 0 ignores it
+                body: dict[str, Any] = {"text": prompt, "sampling_params": {
+                    "temperature": self.temperature, "max_new_tokens": self.max_new_tokens, "seed": seed}}
+                response = client.post(self.url, json=body)
+                assert response.status_code == 200, f"/generate answered {response.status_code}: {response.text[:300]}"
+                data = response.json()
+                meta = data.get("meta_info", {})
+                if meta.get("spec_verify_ct"):
+                    self.tokens += int(meta.get("completion_tokens", 0))
+                    self.verify_steps += int(meta["spec_verify_ct"])
+                texts.append(str(data.get("text", "")))
+        return texts
+
+    @property
+    def accept_length(self) -> float | None:
+        return self.tokens / self.verify_steps if self.verify_steps else None
+
+
+def test_coding_gate(config_cell: SpecConfig, deployed: ServiceManager, suite: SuiteOptions) -> None:
+    q = suite.grid.quality
+    problems = gate_problems()[: q.problems]
+    complete = Completer(deployed.backend.base_url, q.temperature, q.max_new_tokens)
+    report = run_gate(problems, complete, k=q.k, n=q.n)
+
+    record = {"config_id": config_cell.id, "accept_length": complete.accept_length, **report.to_dict()}
+    atomic_write_text(suite.results_dir / "quality" / f"{config_cell.id}.json", json.dumps(record, indent=2) + "\n")
+
+    failed = [f"{r.task_id}: {r.first_failure}" for r in report.per_problem if r.c < r.n]
+    assert report.pass_at_k >= q.threshold, (
+        f"pass@{q.k} {report.pass_at_k:.2f} < threshold {q.threshold:.2f} on {len(problems)} problems, "
+        f"{config_cell.id}; failing: {failed[:3]}"
+    )
+    if config_cell.speculative:
+        accept = complete.accept_length
+        assert accept is not None, f"{config_cell.id}: the service reported no spec_verify_ct while speculating"
+        assert accept >= q.accept_floor, (
+            f"accept length {accept:.2f} tokens/step < floor {q.accept_floor:.2f}, {config_cell.id} "
+            f"(token-weighted over {complete.tokens} tokens)"
+        )
