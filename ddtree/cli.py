@@ -169,6 +169,9 @@ def _service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             alive, _ = observed.is_alive()
             if alive:  # running: it must already be the default (we cannot stop what we did not start)
                 report = verify(observed, spec, generate=not args.no_generate)
+                if not report.settings_ok:
+                    log(f"[{backend.name}] the service at {observed.base_url} runs another config and was "
+                        "not started by this command; stop it, then run restore-default again")
             else:
                 report = manager.deploy(spec)
                 log(f"[{backend.name}] pid {backend.pid} keeps running; log {backend.log_path}")

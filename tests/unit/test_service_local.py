@@ -115,3 +115,13 @@ def test_url_backend_is_dead_when_nothing_answers() -> None:
 def test_url_must_have_a_scheme() -> None:
     with pytest.raises(ConfigError, match="base_url"):
         UrlBackend("gpu1:30000")
+
+
+def test_package_exports_exactly_its_public_names() -> None:
+    import ddtree.service as service
+
+    assert service.__all__ == sorted(service.__all__)
+    for name in service.__all__:
+        assert getattr(service, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        service.Nope  # noqa: B018
