@@ -1,8 +1,58 @@
-"""The decoding loop: AR, DFlash chain and DDTree in one engine (token ids only, no text)."""
+"""The decoding loop: AR, DFlash chain and DDTree in one engine (token ids only, no text).
+
+One round for every running request at once (DESIGN section 2):
+
+    1. draft     the DFlash drafter runs on [bonus, MASK...] and yields L = block_size - 1 marginals
+    2. build     build_trees: the best `budget` paths by drafter log-probability (a chain for DFLASH)
+    3. compile   compile_trees: [bonus, nodes], positions start + depth, ancestor-or-self mask
+    4. verify    one target forward over every tree; the target's token at every node
+    5. walk      follow_trees: descend while the target's token is a child; the last one is the bonus
+    6. compact   move the accepted nodes' KV after the prefix; feed their hidden states to the drafter
+
+Rows of a `DecodeBatch` are kept packed at the front (a finished request's slot is refilled by moving
+the last row into it), so every forward runs on a contiguous view of the caches. The only host
+synchronisation per round is the one that hands the new tokens back to the caller.
+"""
 
 from __future__ import annotations
 
+import random
+import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.errors import ConfigError, RequestError
+from ddtree.sampling import choose_tokens_no_sync
+from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_trees, is_chain
+
+STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
+
+
+def _row_view(cache, start: int, stop: int):
+    """A view of batch rows [start, stop) of a KVCache or DraftContext (shares storage, no copy)."""
+    view = object.__new__(type(cache))
+    view.__dict__.update(cache.__dict__)
+    view.k, view.v = cache.k[:, start:stop], cache.v[:, start:stop]
+    for name in ("lengths", "total"):
+        if name in cache.__dict__:
+            setattr(view, name, getattr(cache, name)[start:stop])
+    if "batch" in cache.__dict__:
+        view.batch = stop - start
+    return view
+
+
+def _move_row(cache, src: int, dst: int) -> None:
+    """Copy batch row src of a KVCache or DraftContext into row dst (keeps live rows packed)."""
+    cache.k[:, dst] = cache.k[:, src]
+    cache.v[:, dst] = cache.v[:, src]
+    for name in ("lengths", "total"):
+        if name in cache.__dict__:
+            buf = getattr(cache, name)
+            buf[dst] = buf[src]
 
 
 @dataclass
@@ -28,3 +78,384 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | None while running
     verify_steps: int  # verify forwards so far for this request
     accept_lengths: list[int] = field(default_factory=list)  # this round's accepted length(s)
+
+
+@dataclass
+class GenerationResult:
+    """Everything `Engine.generate` knows about one finished request."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    verify_steps: int
+    accept_lengths: list[int]
+    timings: dict[str, float]
+
+    @property
+    def accept_histogram(self) -> list[int]:
+        """Index = accepted length of a round (bonus included), value = number of rounds."""
+        counts = Counter(self.accept_lengths)
+        size = max(counts, default=0) + 1
+        return [counts.get(i, 0) for i in range(size)]
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+class StageTimer:
+    """Wall time per stage; syncs the device before each clock read only when asked to."""
+
+    def __init__(self, device: torch.device, sync: bool) -> None:
+        self.totals = dict.fromkeys(STAGES, 0.0)
+        self._sync = sync and device.type == "cuda"
+        self._device = device
+        self._stage: str | None = None
+        self._t0 = 0.0
+
+    def start(self, stage: str) -> None:
+        now = self._now()
+        if self._stage is not None:
+            self.totals[self._stage] += now - self._t0
+        self._stage, self._t0 = stage, now
+
+    def stop(self) -> None:
+        if self._stage is not None:
+            self.totals[self._stage] += self._now() - self._t0
+            self._stage = None
+
+    def _now(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+
+@dataclass
+class _Row:
+    """Host-side bookkeeping of one running request."""
+
+    request: Request
+    committed: int  # tokens with target KV (prompt + accepted so far, bonus excluded)
+    output: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+
+
+class DecodeBatch:
+    """Continuous batching over a fixed number of slots: add, step, cancel."""
+
+    def __init__(self, engine: Engine, spec: SpecConfig, max_batch: int, max_len: int, profile: bool = True):
+        engine.check_spec(spec)
+        if max_batch < 1:
+            raise ConfigError(f"max_batch: {max_batch} is out of range (allowed >= 1)")
+        self.engine, self.spec, self.max_batch = engine, spec, max_batch
+        self.max_len = max_len
+        self.device = engine.device
+        self.timer = StageTimer(engine.device, sync=profile)
+        self.rows: list[_Row] = []
+        target = engine.target
+        self.cache = target.new_cache(max_batch, max_len)
+        self.ctx = None
+        if spec.speculative:
+            self.ctx = engine.drafter.new_context(max_batch, spec.draft_window, max_len)
+        # Per-slot device state (rows 0..n-1 are live).
+        self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
+        self.seeds = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def add(self, request: Request) -> list[StepOutput]:
+        """Prefill one request into a free slot; returns its first token as a StepOutput."""
+        self._validate(request)
+        if self.free_slots == 0:
+            raise RequestError("no free slot in the batch", field="batch", status_code=503)
+        slot = len(self.rows)
+        eng = self.engine
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        n = prompt.shape[1]
+        seed = request.seed if request.seed is not None else random.SystemRandom().randrange(1 << 31)
+        self.temps[slot] = float(request.temperature)
+        self.seeds[slot] = seed
+        self.timer.start("prefill")
+        cache = _row_view(self.cache, slot, slot + 1)
+        cache.reset(torch.ones(1, dtype=torch.bool, device=self.device))
+        positions = torch.arange(n, device=self.device)[None]
+        taps_layers = eng.tap_layers if self.spec.speculative else None
+        logits, taps = eng.target.forward(prompt, positions, cache, None, taps_layers, kv_len_hint=n)
+        cache.advance(torch.full((1,), n, dtype=torch.long, device=self.device))
+        if self.ctx is not None:
+            ctx = _row_view(self.ctx, slot, slot + 1)
+            ctx.reset(torch.ones(1, dtype=torch.bool, device=self.device))
+            eng.drafter.append_context(ctx, taps, positions, torch.full((1,), n, device=self.device))
+        first = choose_tokens_no_sync(
+            logits[:, -1:], self.temps[slot : slot + 1], self.seeds[slot : slot + 1],
+            torch.full((1, 1), n, dtype=torch.long, device=self.device), request.temperature > 0,
+        )[:, 0]
+        self.bonus[slot] = first[0]
+        self.timer.stop()
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos and eng.eos_token_id is not None:
+            stop_ids.add(eng.eos_token_id)
+        row = _Row(request, committed=n, stop_ids=frozenset(stop_ids))
+        self.rows.append(row)
+        out = self._emit(slot, row, [int(first[0])], accept=None)
+        return self._retire_finished([out])
+
+    def step(self) -> list[StepOutput]:
+        """One round for every running request."""
+        if not self.rows:
+            return []
+        if self.spec.speculative:
+            outputs = self._speculative_round()
+        else:
+            outputs = self._ar_round()
+        return self._retire_finished(outputs)
+
+    def cancel(self, request_id: str) -> bool:
+        for slot, row in enumerate(self.rows):
+            if row.request.request_id == request_id:
+                self._remove(slot)
+                return True
+        return False
+
+    # -- rounds --------------------------------------------------------------------------------
+    def _ar_round(self) -> list[StepOutput]:
+        n = len(self.rows)
+        eng, t = self.engine, self.timer
+        committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
+        cache = _row_view(self.cache, 0, n)
+        t.start("verify")
+        ids = self.bonus[:n, None]
+        logits, _ = eng.target.forward(ids, committed[:, None], cache, None, None,
+                                       kv_len_hint=max(r.committed for r in self.rows) + 1)
+        cache.advance(torch.ones(n, dtype=torch.long, device=self.device))
+        nxt = choose_tokens_no_sync(logits, self.temps[:n], self.seeds[:n], committed[:, None] + 1,
+                                    self._any_sampled())[:, 0]
+        self.bonus[:n] = nxt
+        t.start("walk")
+        tokens = nxt.tolist()  # the one sync: hand the tokens back
+        t.stop()
+        outputs = []
+        for slot, row in enumerate(self.rows):
+            row.committed += 1
+            outputs.append(self._emit(slot, row, [tokens[slot]], accept=None))
+        return outputs
+
+    def _speculative_round(self) -> list[StepOutput]:
+        n, spec, eng, t = len(self.rows), self.spec, self.engine, self.timer
+        block = spec.block_size
+        committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
+        cache, ctx = _row_view(self.cache, 0, n), _row_view(self.ctx, 0, n)
+        bonus = self.bonus[:n]
+
+        # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
+        t.start("draft")
+        block_ids = torch.full((n, block), eng.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, 0] = bonus
+        draft_logits = eng.drafter.forward(ctx, block_ids, committed)  # [n, L, V]
+        # 2. build
+        t.start("build")
+        trees = build_trees(draft_logits, spec.budget, spec.topk)
+        # 3. compile
+        compiled = compile_trees(trees, bonus, committed)
+        chain = spec.algorithm is Algorithm.DFLASH or bool(is_chain(trees).all())
+        # 4. verify
+        t.start("verify")
+        kv_hint = max(r.committed for r in self.rows) + spec.budget + 1
+        logits, taps = eng.target.forward(
+            compiled.input_ids, compiled.position_ids, cache, None if chain else compiled.mask,
+            eng.tap_layers, kv_len_hint=kv_hint,
+        )
+        target_tokens = choose_tokens_no_sync(
+            logits, self.temps[:n], self.seeds[:n], compiled.position_ids + 1, self._any_sampled()
+        )
+        # 5. walk
+        t.start("walk")
+        accepted, accept_lens, new_bonus = follow_trees(trees, target_tokens)
+        # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
+        t.start("compact")
+        src, _contiguous = compaction_indices(accepted, accept_lens)
+        cache.compact(src, accept_lens)
+        width = accepted.shape[1]
+        acc_idx = accepted.clamp_min(0)
+        acc_taps = taps.gather(1, acc_idx[:, :, None].expand(-1, -1, taps.shape[-1]))
+        acc_pos = committed[:, None] + torch.arange(width, device=self.device)[None]
+        eng.drafter.append_context(ctx, acc_taps, acc_pos, accept_lens)
+        acc_tokens = compiled.input_ids.gather(1, acc_idx)  # [n, L+1]; column 0 is the old bonus
+        self.bonus[:n] = new_bonus
+        # The one sync per round: the committed tokens go back to the caller.
+        host = torch.cat([acc_tokens, new_bonus[:, None], accept_lens[:, None]], dim=1).tolist()
+        t.stop()
+        outputs = []
+        for slot, row in enumerate(self.rows):
+            k = host[slot][-1]
+            new_tokens = host[slot][1:k] + [host[slot][width]]  # accepted drafts, then the bonus
+            row.committed += k
+            row.verify_steps += 1
+            outputs.append(self._emit(slot, row, new_tokens, accept=k))
+        return outputs
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _any_sampled(self) -> bool:
+        return any(r.request.temperature > 0 for r in self.rows)
+
+    def _emit(self, slot: int, row: _Row, tokens: list[int], accept: int | None) -> StepOutput:
+        req = row.request
+        room = req.max_new_tokens - len(row.output)
+        kept, reason = [], None
+        for tok in tokens[:room]:
+            kept.append(tok)
+            if tok in row.stop_ids:
+                reason = "stop"
+                break
+        if reason is None and len(row.output) + len(kept) >= req.max_new_tokens:
+            reason = "length"
+        row.output.extend(kept)
+        if accept is not None:
+            row.accept_lengths.append(accept)
+        return StepOutput(req.request_id, kept, reason is not None, reason, row.verify_steps,
+                          [accept] if accept is not None else [])
+
+    def _retire_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        done = {o.request_id for o in outputs if o.finished}
+        for slot in reversed(range(len(self.rows))):
+            if self.rows[slot].request.request_id in done:
+                self._remove(slot)
+        return outputs
+
+    def _remove(self, slot: int) -> None:
+        last = len(self.rows) - 1
+        if slot != last:  # keep rows packed: move the last row into the freed slot
+            _move_row(self.cache, last, slot)
+            if self.ctx is not None:
+                _move_row(self.ctx, last, slot)
+            for buf in (self.bonus, self.temps, self.seeds):
+                buf[slot] = buf[last]
+            self.rows[slot] = self.rows[last]
+        self.rows.pop()
+
+    def _validate(self, request: Request) -> None:
+        eng = self.engine
+        if not request.prompt_ids:
+            raise RequestError("prompt is empty", field="input_ids")
+        if request.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens: {request.max_new_tokens} is out of range (allowed >= 1)",
+                               field="max_new_tokens")
+        if request.temperature < 0:
+            raise RequestError(f"temperature: {request.temperature} is out of range (allowed >= 0)",
+                               field="temperature")
+        bad = [t for t in request.prompt_ids if not 0 <= t < eng.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: token {bad[0]} is outside the vocabulary 0..{eng.vocab_size - 1}",
+                               field="input_ids")
+        context = min(eng.max_context, self.max_len - self.spec.max_nodes)
+        need = len(request.prompt_ids) + request.max_new_tokens
+        if need > context:
+            raise RequestError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"= {need} exceeds the context length ({context})",
+                field="max_new_tokens",
+            )
+
+
+class Engine:
+    """A target (and optionally a DFlash drafter) ready to decode with AR, DFLASH or DDTREE."""
+
+    def __init__(self, target, drafter=None) -> None:
+        self.target, self.drafter = target, drafter
+        self.device = next(target.parameters()).device
+        cfg = target.config
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_id: int | None = _first_id(getattr(cfg, "eos_token_id", None))
+        self.max_context: int = cfg.max_position_embeddings
+        self.tap_layers: list[int] | None = None
+        self.mask_token_id: int | None = None
+        self.trained_block_size: int | None = None
+        if drafter is not None:
+            self.tap_layers = list(drafter.config.target_layer_ids)
+            self.mask_token_id = drafter.config.mask_token_id
+            self.trained_block_size = drafter.config.block_size
+
+    @classmethod
+    def from_pretrained(cls, target_path, draft_path=None, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> Engine:
+        from ddtree.models import load_drafter, load_target
+
+        target = load_target(target_path, device=device, dtype=dtype)
+        drafter = load_drafter(draft_path, target, device=device, dtype=dtype) if draft_path else None
+        return cls(target, drafter)
+
+    def check_spec(self, spec: SpecConfig) -> None:
+        """Reject a config this engine cannot run, before any forward pass."""
+        if spec.speculative and self.drafter is None:
+            raise ConfigError(f"algorithm: {spec.algorithm.value} needs a draft model "
+                              "(--speculative-draft-model-path); this engine has none")
+
+    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
+                   profile: bool = True) -> DecodeBatch:
+        max_len = max_len if max_len is not None else self.max_context + spec.max_nodes
+        return DecodeBatch(self, spec, max_batch, max_len, profile=profile)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        spec: SpecConfig | None = None,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        max_batch: int | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (a list of ids) or several (a list of lists) in one batch."""
+        spec = spec if spec is not None else SpecConfig()
+        single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
+        prompts = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
+        longest = max(len(p) for p in prompts)
+        batch = self.open_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes)
+        reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos)
+                for i, p in enumerate(prompts)]
+        for r in reqs:  # validate every request before any forward pass
+            batch._validate(r)
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        accepts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        final: dict[str, StepOutput] = {}
+        pending = list(reqs)
+
+        def absorb(outs: list[StepOutput]) -> None:
+            for o in outs:
+                tokens[o.request_id].extend(o.new_token_ids)
+                accepts[o.request_id].extend(o.accept_lengths)
+                if o.finished:
+                    final[o.request_id] = o
+
+        while pending or batch.active:
+            while pending and batch.free_slots:
+                absorb(batch.add(pending.pop(0)))
+            absorb(batch.step())
+        out = [
+            GenerationResult(
+                token_ids=tokens[r.request_id], prompt_tokens=len(r.prompt_ids),
+                finish_reason=final[r.request_id].finish_reason or "length",
+                verify_steps=final[r.request_id].verify_steps,
+                accept_lengths=accepts[r.request_id], timings=dict(batch.timer.totals),
+            )
+            for r in reqs
+        ]
+        return out[0] if single else out
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return int(value) if value is not None else None

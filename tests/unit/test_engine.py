@@ -1,0 +1,178 @@
+"""The engine: DDTREE and DFLASH are lossless against NONE at any temperature, on small random models.
+
+The target's weights are scaled up so its distributions are peaked (a near-uniform random model
+would make greedy outputs hinge on float noise); the drafter is a random DFlash head over the same
+target, so acceptance is low but non-trivial. The property under test does not depend on the drafter
+being good: whatever it proposes, the committed tokens must be the target's own.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.engine import Engine, Request
+from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.models import DrafterConfig, TargetConfig, init_drafter, init_target
+
+VOCAB = 97
+MASK_ID = VOCAB - 1
+
+
+def make_engine(block_size: int = 8, seed: int = 0, hidden: int = 48) -> Engine:
+    target_cfg = TargetConfig(
+        model_type="qwen3", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=512, eos_token_id=None,
+    )
+    target = init_target(target_cfg, seed=seed).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(8)
+    drafter_cfg = DrafterConfig(
+        hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, vocab_size=VOCAB, block_size=block_size, target_layer_ids=(0, 2, 3), mask_token_id=MASK_ID,
+        num_target_layers=4, max_position_embeddings=512,
+    )
+    drafter = init_drafter(drafter_cfg, target, seed=seed + 1).eval()
+    return Engine(target, drafter)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine()
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(MASK_ID) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+SPECS = [
+    pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8, draft_window=None), id="dflash-wnone-bs8"),
+    pytest.param(SpecConfig(budget=8, topk=4, block_size=8, draft_window=2048), id="b8-k4-w2048-bs8"),
+    pytest.param(SpecConfig(budget=1, topk=1, block_size=4, draft_window=None), id="b1-k1-wnone-bs4"),
+    pytest.param(SpecConfig(budget=32, topk=8, block_size=16, draft_window=16), id="b32-k8-w16-bs16"),
+    pytest.param(SpecConfig(budget=12, topk=6, block_size=8, draft_window=8), id="b12-k6-w8-bs8"),
+    pytest.param(SpecConfig(budget=5, topk=2, block_size=5, draft_window=None), id="b5-k2-wnone-bs5"),
+]
+AR = SpecConfig(algorithm=Algorithm.NONE)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_speculative_output_equals_ar(engine: Engine, spec: SpecConfig, temperature: float) -> None:
+    batch = prompts(4, seed=hash(spec.id) % 1000)
+    ref = engine.generate(batch, 24, temperature=temperature, spec=AR, seed=11)
+    out = engine.generate(batch, 24, temperature=temperature, spec=spec, seed=11)
+    for i, (r, o) in enumerate(zip(ref, out)):
+        assert o.token_ids == r.token_ids, f"{spec.id} T={temperature} prompt {i}: differs from AR"
+        assert len(o.token_ids) == 24
+        assert all(1 <= a <= spec.block_size for a in o.accept_lengths), o.accept_lengths
+        # completion = the prefill's token + every round's accepted length (cut at max_new_tokens)
+        assert 1 + sum(o.accept_lengths) >= len(o.token_ids)
+        assert o.verify_steps == len(o.accept_lengths) > 0
+
+
+def test_batched_equals_alone(engine: Engine) -> None:
+    """A request's output does not depend on what else is in the batch (rows of different lengths)."""
+    spec = SpecConfig(budget=8, topk=4, block_size=8)
+    batch = prompts(5, seed=3)
+    together = engine.generate(batch, 20, spec=spec)
+    for p, t in zip(batch, together):
+        alone = engine.generate(p, 20, spec=spec)
+        assert alone.token_ids == t.token_ids
+        assert alone.accept_lengths == t.accept_lengths
+
+
+def test_small_batch_slots_refill(engine: Engine) -> None:
+    """More prompts than slots: finished rows free their slot and waiting prompts join between rounds."""
+    spec = SpecConfig(budget=6, topk=3, block_size=6, draft_window=None)
+    batch = prompts(5, seed=4)
+    lengths = [5, 17, 9, 30, 12]
+    ref = [engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
+    b = engine.open_batch(spec, max_batch=2, max_len=128)
+    pending = [Request(str(i), p, n) for i, (p, n) in enumerate(zip(batch, lengths))]
+    got: dict[str, list[int]] = {r.request_id: [] for r in pending}
+    finished = set()
+    while pending or b.active:
+        while pending and b.free_slots:
+            for o in b.add(pending.pop(0)):
+                got[o.request_id] += o.new_token_ids
+                finished |= {o.request_id} if o.finished else set()
+        for o in b.step():
+            got[o.request_id] += o.new_token_ids
+            finished |= {o.request_id} if o.finished else set()
+    assert finished == {str(i) for i in range(5)}
+    assert [got[str(i)] for i in range(5)] == ref
+
+
+def test_window_changes_acceptance_never_output(engine: Engine) -> None:
+    batch = prompts(3, seed=5)
+    batch = [p * 4 for p in batch]  # longer contexts than the small window
+    wide = engine.generate(batch, 24, spec=SpecConfig(budget=8, topk=4, block_size=8, draft_window=None))
+    narrow = engine.generate(batch, 24, spec=SpecConfig(budget=8, topk=4, block_size=8, draft_window=8))
+    assert [r.token_ids for r in wide] == [r.token_ids for r in narrow]
+    assert [r.accept_lengths for r in wide] != [r.accept_lengths for r in narrow]
+
+
+def test_stop_tokens_and_lengths(engine: Engine) -> None:
+    prompt = prompts(1, seed=6)[0]
+    free = engine.generate(prompt, 30, spec=AR)
+    stop = free.token_ids[7]
+    first = free.token_ids.index(stop)
+    for spec in (AR, SpecConfig(budget=8, topk=4, block_size=8)):
+        out = engine.generate(prompt, 30, spec=spec, stop_token_ids=[stop])
+        assert out.token_ids == free.token_ids[: first + 1]
+        assert out.finish_reason == "stop"
+    one = engine.generate(prompt, 1, spec=SpecConfig())
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+
+
+def test_statistics(engine: Engine) -> None:
+    out = engine.generate(prompts(1, seed=7)[0], 40, spec=SpecConfig(budget=8, topk=4, block_size=8))
+    hist = out.accept_histogram
+    assert sum(hist) == out.verify_steps
+    assert sum(i * c for i, c in enumerate(hist)) == sum(out.accept_lengths)
+    assert set(out.timings) == {"prefill", "draft", "build", "verify", "walk", "compact"}
+    assert all(v >= 0 for v in out.timings.values()) and out.timings["verify"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(budget=0), "budget"),
+        (dict(topk=0), "topk"),
+        (dict(draft_window=4, block_size=8), "draft_window"),
+        (dict(block_size=1), "block_size"),
+        (dict(algorithm="EAGLE"), "algorithm"),
+    ],
+)
+def test_bad_configs_fail_before_any_forward(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SpecConfig(**kwargs)
+
+
+def test_speculation_without_drafter_is_rejected(engine: Engine) -> None:
+    ar_only = Engine(engine.target)
+    with pytest.raises(ConfigError, match="draft model"):
+        ar_only.generate([1, 2, 3], 4, spec=SpecConfig())
+
+
+def test_bad_requests(engine: Engine) -> None:
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.generate([1, VOCAB + 5], 4, spec=AR)
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate([1] * 500, 100, spec=SpecConfig())
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        engine.generate([1, 2], 0, spec=AR)
+
+
+def test_drafter_that_does_not_fit_is_rejected(engine: Engine) -> None:
+    cfg = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, block_size=8, target_layer_ids=(0, 9), mask_token_id=MASK_ID, num_target_layers=4,
+    )
+    with pytest.raises(ModelLoadError):
+        init_drafter(cfg, engine.target)
