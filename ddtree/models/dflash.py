@@ -78,6 +78,14 @@ class DraftContext:
         """[bs] how many context positions each row holds (min(total, capacity))."""
         return self.total.clamp(max=self.capacity)
 
+    def rows(self, start: int, stop: int) -> DraftContext:
+        """A view of batch rows [start, stop): shares storage, so appends land here."""
+        view = object.__new__(DraftContext)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.total = self.total[start:stop]
+        view.window, view.capacity = self.window, self.capacity
+        return view
+
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the context of rows[bs] bool (a batch slot handed to a new request)."""
         self.total.masked_fill_(rows.to(self.total.device), 0)

@@ -49,12 +49,24 @@ class KVCache:
             )
         if self.lengths.device.type == "cpu":
             need = int(self.lengths.max()) + n_new
+            if kv_len_hint is not None and kv_len_hint < need:
+                raise RequestError(
+                    f"kv_len_hint {kv_len_hint} is below the longest row + new tokens ({need})", field="kv_len_hint"
+                )
             if need > self.max_len:
                 raise RequestError(
                     f"KV cache overflow: writing {n_new} tokens after a row of length "
                     f"{need - n_new} needs {need} slots; max_len is {self.max_len}",
                     field="max_len",
                 )
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A view of batch rows [start, stop): shares storage, so writes and length updates land here."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.max_len, view.batch = self.max_len, stop - start
+        return view
 
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged)."""

@@ -354,3 +354,15 @@ def test_cuda_append_and_draft_match_cpu_without_host_sync(tmp_path: Path, targe
             if dev == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(outs[1].cpu(), outs[0], atol=1e-3, rtol=0)
+
+
+def test_context_row_view_shares_storage(drafter, seq) -> None:
+    ids, taps = seq
+    with torch.no_grad():
+        ctx = drafter.new_context(3, None, 32)
+        row = ctx.rows(2, 3)
+        drafter.append_context(row, taps[1:2, :9], torch.arange(9)[None], torch.tensor([9]))
+        assert ctx.total.tolist() == [0, 0, 9]
+        out = drafter(row, _block(ids[1:2], [9], 4), torch.tensor([9]))
+        train = drafter.forward_train(taps[1:2], ids[1:2], torch.tensor([[9]]), 4, None)
+    torch.testing.assert_close(out, train[:, 0], atol=ATOL, rtol=0)

@@ -331,3 +331,19 @@ def test_cuda_verify_compact_decode_match_cpu_without_host_sync(pair) -> None:
         results.append([x.cpu() for x in (verify, taps, step, cache.lengths)])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, atol=1e-3, rtol=0)  # TF32/kernels may differ slightly
+
+
+def test_row_view_shares_storage_and_bad_hint(pair) -> None:
+    _, model, _ = pair
+    ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        full, _ = model.forward_train(ids[1:2])
+        cache = model.new_cache(3, 16)
+        row = cache.rows(1, 2)
+        out, _ = model(ids[1:2], torch.arange(5)[None], row, kv_len_hint=5)
+        row.advance(torch.tensor([5]))
+        assert cache.lengths.tolist() == [0, 5, 0]
+        assert cache.k[:, 1, :, :5].abs().sum() > 0 and cache.k[:, [0, 2]].abs().sum() == 0
+        with pytest.raises(RequestError, match="kv_len_hint 5 is below the longest row"):
+            model(ids[:, :1], torch.zeros(3, 1, dtype=torch.long), cache, kv_len_hint=5)
+    torch.testing.assert_close(out, full, atol=F32_ATOL, rtol=0)
