@@ -121,7 +121,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tiny_models: tuple[Path,
         result: dict[str, Any] = {}
 
         def long_request() -> None:
-            r = httpx.post(server.url + "/generate", json=body([5, 6, 7], max_new_tokens=400), timeout=120)
+            r = httpx.post(server.url + "/generate", json=body([5, 6, 7], max_new_tokens=450), timeout=120)
             result["status"], result["json"] = r.status_code, r.json()
 
         worker = threading.Thread(target=long_request)
@@ -139,6 +139,7 @@ def test_sigterm_drains_the_running_request_and_exits_0(tiny_models: tuple[Path,
         worker.join(120)
         assert server.proc.wait(60) == 0, server.log()[-2000:]
         assert refused == 503
+        assert "Draining: new requests get 503; 1 request(s) in flight" in server.log()
         assert result["status"] == 200
-        assert result["json"]["meta_info"]["completion_tokens"] == 400
+        assert result["json"]["meta_info"]["completion_tokens"] == 450
         assert result["json"]["meta_info"]["finish_reason"]["type"] == "length"
