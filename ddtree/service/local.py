@@ -7,6 +7,7 @@ group (the server's workers die with it): SIGTERM, wait, SIGKILL, wait.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -147,10 +148,8 @@ class LocalBackend:
 
     @staticmethod
     def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
             os.killpg(proc.pid, sig)  # pgid == pid because of start_new_session
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is already gone
 
     def _close_log(self) -> None:
         if self._log_file is not None:

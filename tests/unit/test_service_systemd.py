@@ -144,13 +144,15 @@ def test_inline_values_and_the_block_size_alias_are_rewritten() -> None:
                  "--speculative-draft-model-path /d --port 1", id="to-ar-drops-all-but-the-draft-path"),
 ])
 def test_flags_the_spec_does_not_use_are_removed(spec: SpecConfig, expected: str) -> None:
-    value = ("x --speculative-algorithm DDTREE --speculative-num-draft-tokens 8 --speculative-draft-window-size "
-             "2048 --speculative-ddtree-budget 8 --speculative-draft-model-path /d --speculative-ddtree-topk 4 --port 1")
+    value = ("x --speculative-algorithm DDTREE --speculative-num-draft-tokens 8 "
+             "--speculative-draft-window-size 2048 --speculative-ddtree-budget 8 "
+             "--speculative-draft-model-path /d --speculative-ddtree-topk 4 --port 1")
     assert rewrite_exec_start(value, spec) == expected
 
 
 def test_the_effective_drop_in_is_rewritten_not_the_reset_line() -> None:
-    drop_in = "[Service]\nExecStart=\nExecStart=/bin/srv --speculative-draft-model-path /d --speculative-ddtree-topk 2\n"
+    drop_in = ("[Service]\nExecStart=\n"
+               "ExecStart=/bin/srv --speculative-draft-model-path /d --speculative-ddtree-topk 2\n")
     rewritten = rewrite_unit(drop_in, DEFAULT)
     assert rewritten.startswith("[Service]\nExecStart=\nExecStart=/bin/srv --speculative-draft-model-path /d "
                                 "--speculative-ddtree-topk 4 --speculative-algorithm DDTREE")
