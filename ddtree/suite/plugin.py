@@ -149,7 +149,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     results = options.results_dir
     results.mkdir(parents=True, exist_ok=True)
     write_summary_csv(results)
-    restore = _merged_restore(state, options.grid.default.id)
+    restore = _merged_restore(state, options.grid.default.id) or {}
+    restore = {**restore, "deploys": len(state.deploys), "deploy_order": state.deploys}  # kept in restore.json
     write_sweep_summary(results, options.grid.default.id, restore)
     if options.update_floors and state.floor_updates:
         write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})

@@ -68,7 +68,7 @@ def test_coding_gate(config_cell: SpecConfig, deployed: ServiceManager, suite: S
     record = {"config_id": config_cell.id, "accept_length": complete.accept_length, **report.to_dict()}
     atomic_write_text(suite.results_dir / "quality" / f"{config_cell.id}.json", json.dumps(record, indent=2) + "\n")
 
-    failed = [f"{r.task_id}: {r.first_failure}" for r in report.per_problem if r.c < r.n]
+    failed = [f"{r.task_id}: {r.first_failure[-300:]}" for r in report.per_problem if r.c < r.n]
     assert report.pass_at_k >= q.threshold, (
         f"pass@{q.k} {report.pass_at_k:.2f} < threshold {q.threshold:.2f} on {len(problems)} problems, "
         f"{config_cell.id}; failing: {failed[:3]}"

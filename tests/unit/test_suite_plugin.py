@@ -69,6 +69,7 @@ def test_each_config_is_deployed_once_and_the_default_restored(suite_dir: pytest
                      "b4-k4-w2048-bs8__ctx8__c2.json"]
     restore = json.loads((suite_dir.path / "results" / "restore.json").read_text())
     assert restore["ok"] is True and restore["config_id"] == "b8-k4-w2048-bs8"
+    assert (restore["deploys"], restore["deploy_order"]) == (2, ["ar", "b4-k4-w2048-bs8"])
     assert "Restore: default b8-k4-w2048-bs8 **verified**" in (suite_dir.path / "results/sweep_summary.md").read_text()
 
 
@@ -230,12 +231,9 @@ def test_update_floors_records_the_medians(suite_dir: pytest.Pytester) -> None:
     assert data["floors"]["ar"]["ctx8-c1"]["output_throughput"] > 0
     assert data["floors"]["b4-k4-w2048-bs8"]["ctx8-c2"]["accept_length"] > 1
     assert "accept_length" not in data["floors"]["ar"]["ctx8-c1"]
-    # the fake's speed is noise; a wide tolerance shows the recorded floors are read and checked
-    rerun = run(suite_dir, "-m", "perf", "--floors", str(floors), "--floor-tolerance", "0.95")
-    rerun.assert_outcomes(passed=4)
-    assert "no floor in" not in rerun.stdout.str()
 
 
+@pytest.mark.slow  # two workers, two services: ~15 s on 2 cores
 def test_xdist_gives_each_worker_a_service_and_merges_one_report(suite_dir: pytest.Pytester) -> None:
     result = run(suite_dir, "-m", "perf", "-n", "2", "-p", "xdist")
     result.assert_outcomes(passed=4)
