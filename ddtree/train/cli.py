@@ -117,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _train_options(args: argparse.Namespace, **override: object) -> object:
     from ddtree.train.loop import TrainOptions
 
-    fields = dict(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-        device=args.device, time_budget_s=args.time_budget_s, log_every=args.log_every,
-        eval_batches=args.eval_batches, seed=args.seed, compile=args.compile,
-    )
+    fields: dict[str, object] = {
+        "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+        "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay, "grad_clip": args.grad_clip,
+        "device": args.device, "time_budget_s": args.time_budget_s, "log_every": args.log_every,
+        "eval_batches": args.eval_batches, "seed": args.seed, "compile": args.compile,
+    }
     fields.update(override)
     return TrainOptions(**fields)  # type: ignore[arg-type]
 

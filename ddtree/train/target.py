@@ -18,9 +18,24 @@ import torch.nn.functional as F
 
 from ddtree.errors import ConfigError
 from ddtree.models.configs import TargetConfig
-from ddtree.train.card import GATE_STATEMENT, copy_tokenizer, corpus_section, environment, fmt, write_json
+from ddtree.train.card import (
+    GATE_STATEMENT,
+    copy_tokenizer,
+    corpus_section,
+    environment,
+    fmt,
+    write_json,
+)
 from ddtree.train.corpus import EOT_ID, load_tokens, read_manifest
-from ddtree.train.loop import BatchSampler, Progress, TrainOptions, autocast, make_optimizer, resolve_device, run_steps
+from ddtree.train.loop import (
+    BatchSampler,
+    Progress,
+    TrainOptions,
+    autocast,
+    make_optimizer,
+    resolve_device,
+    run_steps,
+)
 
 
 @dataclass(frozen=True)

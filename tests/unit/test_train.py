@@ -27,10 +27,21 @@ from ddtree.train.corpus import (
     read_gate_ids,
     stdlib_root,
 )
-from ddtree.train.drafter import DrafterShape, block_labels, draft_loss, position_weights, sample_anchors, train_drafter
+from ddtree.train.drafter import (
+    DrafterShape,
+    block_labels,
+    draft_loss,
+    position_weights,
+    sample_anchors,
+    train_drafter,
+)
 from ddtree.train.loop import BatchSampler, TrainOptions
 from ddtree.train.target import TargetShape, train_target
-from ddtree.train.tokenizer import load_tokenizer, train_corpus_tokenizer, train_tokenizer
+from ddtree.train.tokenizer import (
+    load_tokenizer,
+    train_corpus_tokenizer,
+    train_tokenizer,
+)
 
 TINY_TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
                           head_dim=32, intermediate_size=128, max_position_embeddings=512)
@@ -38,7 +49,8 @@ TINY_DRAFTER = DrafterShape(num_hidden_layers=1, block_size=4, window=32, num_an
 
 
 def tiny_opts(**kw: object) -> TrainOptions:
-    base = dict(steps=40, batch_size=4, seq_len=64, lr=1e-2, warmup_steps=5, log_every=10, eval_batches=2, seed=0)
+    base: dict[str, object] = {"steps": 40, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup_steps": 5,
+                               "log_every": 10, "eval_batches": 2, "seed": 0}
     base.update(kw)
     return TrainOptions(**base)  # type: ignore[arg-type]
 
