@@ -25,7 +25,8 @@ from ddtree.suite.cells import CELL_ARG, item_spec
 from ddtree.suite.options import SuiteOptions, worker_index
 from ddtree.suite.state import suite_options, suite_state
 
-BUILD_HINT = "build the fixture pair first: `python -m ddtree.train fixtures` (see README, 'Fixture models')"
+BUILD_HINT = ("build the fixture pair first with `ddtree train corpus ...` then `ddtree train all ...` "
+              "(see `ddtree train --help` and the README)")
 
 
 def _log_to_terminal(config: pytest.Config) -> Callable[[str], None]:
@@ -174,7 +175,7 @@ def prompt_maker(suite: SuiteOptions) -> Callable[[int, int], list[list[int]]]:
             return [[(i * 7919 + j) % 1000 + 1 for j in range(context)] for i in range(count)]
 
         return synthetic
-    from ddtree.bench.prompts import code_prompts  # type: ignore[import-not-found]
+    from ddtree.bench.prompts import code_prompts
     from ddtree.text import load_tokenizer
 
     require_models(suite)
