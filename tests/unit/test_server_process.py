@@ -8,6 +8,7 @@ a bad request in the middle of a load, bad flags (exit 2 before loading) and a S
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import signal
@@ -49,7 +50,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, VOCAB - 1) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
 
 
-def body(ids: list[int], max_new_tokens: int = 24) -> dict[str, Any]:
+def body(ids: list[int], max_new_tokens: int = 16) -> dict[str, Any]:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
 
 
@@ -61,6 +62,13 @@ async def post_all(url: str, payloads: list[Any]) -> list[httpx.Response]:
             return await client.post("/generate", json=p)
 
         return await asyncio.gather(*(one(p) for p in payloads))
+
+
+def aborts(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('ddtree_requests_total{outcome="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_log_lines_are_exact_and_in_order(ddtree_server: RunningServer) -> None:
@@ -82,9 +90,9 @@ def test_32_concurrent_requests_equal_their_single_outputs(ddtree_server: Runnin
         got = r.json()
         assert got["output_ids"] == alone["output_ids"], f"prompt {p}: batched output differs from single"
         meta = got["meta_info"]
-        assert meta["completion_tokens"] == len(got["output_ids"]) == 24
+        assert meta["completion_tokens"] == len(got["output_ids"]) == 16
         assert meta["spec_verify_ct"] > 0
-        assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
+        assert meta["spec_accept_length"] == pytest.approx(16 / meta["spec_verify_ct"])
         assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
     info = httpx.get(url + "/server_info").json()
     assert info["speculative_ddtree_budget"] == 8 and info["internal_states"][0]["avg_spec_accept_length"] >= 1
@@ -101,6 +109,36 @@ def test_bad_requests_in_a_load_leave_the_others_intact(ddtree_server: RunningSe
     assert codes == [200] * 4 + [400] * 4 + [200] * 4, codes
     outs = [r.json()["output_ids"] for r in responses[:4] + responses[8:]]
     assert outs == single
+    assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_sampled_requests_depend_on_their_seed_not_the_batch(ddtree_server: RunningServer) -> None:
+    url = ddtree_server.url
+    ps = prompts(6, seed=2)
+
+    def sampled(p: list[int], seed: int) -> dict[str, Any]:
+        return {"input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 0.9, "seed": seed, "ignore_eos": True}}
+
+    single = [httpx.post(url + "/generate", json=sampled(p, i), timeout=60).json()["output_ids"] for i, p in enumerate(ps)]
+    together = asyncio.run(post_all(url, [sampled(p, i) for i, p in enumerate(ps)]))
+    assert [r.json()["output_ids"] for r in together] == single
+
+
+def test_stream_disconnect_cancels_the_request(ddtree_server: RunningServer) -> None:
+    url = ddtree_server.url
+    aborts_before = aborts(url)
+    payload = dict(body([9, 10, 11], max_new_tokens=400), stream=True)
+    with httpx.stream("POST", url + "/generate", json=payload, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["output_ids"]
+    deadline = time.monotonic() + 20
+    while True:
+        state = httpx.get(url + "/server_info").json()["internal_states"][0]
+        if state["running_requests"] == 0 and state["queued_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the abandoned stream is still decoding: {state}"
+        time.sleep(0.05)
+    assert aborts(url) == aborts_before + 1, "the request ran to its end instead of being cancelled"
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
 
 
