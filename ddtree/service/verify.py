@@ -113,17 +113,23 @@ def compare_init_line(spec: SpecConfig, log: str) -> tuple[dict[str, dict[str, A
 
 
 # -- 3. generation ---------------------------------------------------------------------------------
+# Token ids, not text: a server may run without a tokenizer, and small ids exist in every vocabulary.
+PROBE_IDS = [2, 3, 4, 5, 6, 7, 8, 9]
+
+
 def tiny_generation(base_url: str, timeout_s: float = 120.0) -> dict[str, Any]:
     """POST one 8-token greedy request; return its meta_info (or {"error": ...})."""
-    body = {"text": "def fibonacci(n):",
+    body = {"input_ids": PROBE_IDS,
             "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    url = base_url.rstrip("/") + "/generate"
     try:
         with http_client(timeout_s) as client:
-            response = client.post(base_url.rstrip("/") + "/generate", json=body)
-            response.raise_for_status()
+            response = client.post(url, json=body)
+            if response.status_code != 200:
+                return {"error": f"POST {url} answered {response.status_code}: {response.text[:300]}"}
             data = response.json()
     except (httpx.HTTPError, ValueError) as err:
-        return {"error": f"{type(err).__name__}: {err}"}
+        return {"error": f"POST {url}: {type(err).__name__}: {err}"}
     if isinstance(data, list):
         data = data[0] if data else {}
     meta = data.get("meta_info") if isinstance(data, dict) else None

@@ -13,6 +13,7 @@ from ddtree.errors import ConfigError, ServiceError
 from ddtree.service import ServiceBackend
 from ddtree.service.fake import FakeBackend
 from ddtree.service.local import LocalBackend, free_port
+from ddtree.service.manager import ServiceManager
 from ddtree.service.readiness import wait_ready
 from ddtree.service.sglang import SGLangBackend
 from ddtree.service.systemd import SystemdBackend
@@ -125,3 +126,20 @@ def test_package_exports_exactly_its_public_names() -> None:
         assert getattr(service, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         service.Nope  # noqa: B018
+
+
+@pytest.mark.slow
+def test_real_server_is_deployed_verified_and_restored(tmp_path) -> None:
+    """LocalBackend driving `python -m ddtree.server` on the tiny random pair (about 15 s)."""
+    from tests.unit.tiny_server import save_tiny_pair
+
+    target, drafter = save_tiny_pair(tmp_path / "models")
+    other = SpecConfig(budget=16, topk=2, draft_window=None)
+    backend = LocalBackend(target, drafter, log_dir=tmp_path / "logs")
+    with ServiceManager(backend, DEFAULT, startup_timeout_s=300, log=lambda _: None) as manager:
+        report = manager.ensure(other)
+        assert report.ok, report.lines()
+        assert "tree_budget=16, topk=2, draft_window_size=None" in report.details["init_line"]
+        assert report.details["generation"]["spec_verify_ct"] > 0
+    assert manager.restore_report is not None and manager.restore_report.ok, manager.restore_outcome
+    assert manager.deploy_history == [other, DEFAULT]
