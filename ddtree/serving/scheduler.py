@@ -57,6 +57,7 @@ Sink = Callable[[Event], None]
 class _Ticket:
     request: Request
     sink: Sink
+    counted: bool = True  # False for the server's own warm-up and health probes: kept out of metrics
     verify_steps: int = 0  # last cumulative count seen, to turn it into per-round deltas
 
 
@@ -100,14 +101,14 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request: Request, sink: Sink) -> None:
+    def submit(self, request: Request, sink: Sink, counted: bool = True) -> None:
         with self._cond:
             if self._stop:
                 raise RequestError("server is shutting down", status_code=503)
             if request.request_id in self._known:
                 raise RequestError(f"rid: {request.request_id!r} is already in flight", field="rid")
             self._known.add(request.request_id)
-            self._pending.append(_Ticket(request, sink))
+            self._pending.append(_Ticket(request, sink, counted))
             self._cond.notify_all()
 
     def cancel(self, request_id: str) -> None:
@@ -124,7 +125,8 @@ class Scheduler:
                     self._cond.notify_all()
                 return
         ticket.sink(abort_output(request_id, 0))
-        self.metrics.record_outcome("abort")
+        if ticket.counted:
+            self.metrics.record_outcome("abort")
 
     @property
     def in_flight(self) -> int:
@@ -173,7 +175,8 @@ class Scheduler:
             self._fail(ticket, Failure(request.request_id, f"prefill failed: {err}", 500))
             return
         self._running[request.request_id] = ticket
-        self.metrics.record_admitted(len(request.prompt_ids))
+        if ticket.counted:
+            self.metrics.record_admitted(len(request.prompt_ids))
         self._dispatch(first or [])
 
     def _round(self) -> None:
@@ -206,7 +209,8 @@ class Scheduler:
             new_steps = max(out.verify_steps - ticket.verify_steps, 0)
             ticket.verify_steps = out.verify_steps
             drafts = sum(max(a - 1, 0) for a in out.accept_lengths)
-            self.metrics.record_progress(len(out.new_token_ids), new_steps, drafts)
+            if ticket.counted:
+                self.metrics.record_progress(len(out.new_token_ids), new_steps, drafts)
             if out.finished:
                 self._running.pop(out.request_id)
                 self._finish(ticket, out)
@@ -227,11 +231,13 @@ class Scheduler:
     def _finish(self, ticket: _Ticket, out: StepOutput) -> None:
         with self._cond:
             self._known.discard(ticket.request.request_id)
-        self.metrics.record_outcome(out.finish_reason or "abort")
+        if ticket.counted:
+            self.metrics.record_outcome(out.finish_reason or "abort")
         ticket.sink(out)
 
     def _fail(self, ticket: _Ticket, failure: Failure) -> None:
         with self._cond:
             self._known.discard(ticket.request.request_id)
-        self.metrics.record_outcome("error" if failure.status_code >= 500 else "rejected")
+        if ticket.counted:
+            self.metrics.record_outcome("error" if failure.status_code >= 500 else "rejected")
         ticket.sink(failure)

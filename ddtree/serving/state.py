@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ddtree import __version__
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
@@ -164,7 +165,7 @@ class ServerState:
         token = next(t for t in range(self.engine.vocab_size) if t != self.engine.eos_token_id)
         request = Request(f"warmup-{new_rid()}", [token], max_new_tokens=min(2, self.context_length - 1), ignore_eos=True)
         try:
-            await self.submit(request).result()
+            await self.submit(request, counted=False).result()
         except Exception as err:
             self.fatal = f"warm-up generation failed: {err}"
             log.error(self.fatal)
@@ -173,9 +174,9 @@ class ServerState:
         log.info(READY_LINE)
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: Request) -> RequestStream:
+    def submit(self, request: Request, counted: bool = True) -> RequestStream:
         stream = RequestStream(request, asyncio.get_running_loop())
-        self.scheduler.submit(request, stream.sink)
+        self.scheduler.submit(request, stream.sink, counted)
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
@@ -189,7 +190,7 @@ class ServerState:
         if self.scheduler.in_flight > 0:
             return time.monotonic() - self.scheduler.last_round_at < HEALTH_TIMEOUT_S
         token = next(t for t in range(self.engine.vocab_size) if t != self.engine.eos_token_id)
-        stream = self.submit(Request(f"health-{new_rid()}", [token], max_new_tokens=1, ignore_eos=True))
+        stream = self.submit(Request(f"health-{new_rid()}", [token], max_new_tokens=1, ignore_eos=True), counted=False)
         try:
             await asyncio.wait_for(stream.result(), HEALTH_TIMEOUT_S)
         except (TimeoutError, RequestError):
@@ -198,8 +199,6 @@ class ServerState:
         return True
 
     def server_info(self) -> dict[str, Any]:
-        from ddtree import __version__
-
         info = self.args.to_dict()
         info["context_length"] = self.context_length
         info["spec_config_id"] = self.spec.id

@@ -401,6 +401,8 @@ def test_flush_cache_and_metrics_counters_move() -> None:
         assert (await c.get("/flush_cache")).status_code == 200
         assert (await c.post("/flush_cache")).status_code == 200
         before = (await c.get("/metrics")).text
+        assert value(before, "ddtree_prompt_tokens_total") == 0, "warm-up and health probes are not counted"
+        assert (await c.get("/health_generate")).status_code == 200
         r = (await c.post("/generate", json=gen([4, 5, 6, 7], max_new_tokens=25, ignore_eos=True))).json()
         await c.post("/generate", json=gen([4], max_new_tokens=0))
         after = (await c.get("/metrics")).text
@@ -410,7 +412,9 @@ def test_flush_cache_and_metrics_counters_move() -> None:
         assert value(after, "ddtree_spec_verify_steps_total") - value(before, "ddtree_spec_verify_steps_total") == meta["spec_verify_ct"]
         drafts = value(after, "ddtree_spec_accepted_drafts_total") - value(before, "ddtree_spec_accepted_drafts_total")
         assert drafts == meta["spec_num_correct_drafts"]
-        assert 'ddtree_requests_total{outcome="length"}' in after
+        assert value(after, 'ddtree_requests_total{outcome="length"}') == 1
+        info = (await c.get("/server_info")).json()["internal_states"][0]
+        assert info["avg_spec_accept_length"] == pytest.approx(25 / meta["spec_verify_ct"])
         assert value(after, 'ddtree_requests_total{outcome="invalid"}') == 1
 
     run(app, body)
