@@ -144,6 +144,8 @@ def verify(backend: ServiceBackend, spec: SpecConfig, *, generate: bool = True) 
     try:
         reported = backend.reported_settings()
         settings = compare_settings(spec, reported)
+        if "server_info_error" in reported:  # systemd: the unit was read, the live service was not
+            details["server_info_error"] = reported["server_info_error"]
         states = reported.get("internal_states") or [{}]
         if isinstance(states, list) and states and isinstance(states[0], dict):
             details["avg_spec_accept_length"] = states[0].get("avg_spec_accept_length")
