@@ -145,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_length is not None and args.context_length > engine.max_context:
         print(f"error: --context-length: {args.context_length} exceeds the engine's limit {engine.max_context}", file=sys.stderr)
         return 2
+    try:
+        app = create_app(engine, spec, args, codec)  # opens the batch: the engine checks the spec
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     log.info(init_line(spec))
-    app = create_app(engine, spec, args, codec)
     state: ServerState = app.state.ddtree
     config = uvicorn.Config(
         app,
