@@ -1,7 +1,16 @@
 """Triton kernels for the verify step (tree attention, KV compaction), each with a torch reference beside it."""
 
-from ddtree.kernels.bitmask import ancestor_mask, causal_bitmask, pack_mask, unpack_bitmask
-from ddtree.kernels.kv_compact import compact_kv, compact_kv_reference, compact_kv_triton
+from ddtree.kernels.bitmask import (
+    ancestor_mask,
+    causal_bitmask,
+    pack_mask,
+    unpack_bitmask,
+)
+from ddtree.kernels.kv_compact import (
+    compact_kv,
+    compact_kv_reference,
+    compact_kv_triton,
+)
 from ddtree.kernels.tree_attention import (
     tree_attention,
     tree_attention_reference,

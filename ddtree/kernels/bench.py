@@ -26,6 +26,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ def _timings(fn: Callable[[], object], rep_ms: int, graphs: bool) -> dict[str, f
     if graphs:
         try:
             out["graph_ms"] = float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
-        except Exception as err:  # a path that cannot be captured is reported, not fatal
+        except Exception as err:  # noqa: BLE001 - a path that cannot be captured is reported, not fatal
             out["graph_error"] = f"{type(err).__name__}: {err}"
     return out
 
@@ -94,9 +95,9 @@ def _attention_inputs(bs: int, prefix: int, n: int, args: argparse.Namespace, dt
     tree = unpack_bitmask(bitmask, n)  # [bs, n, n]
     prefix_vis = torch.ones(bs, n, prefix, dtype=torch.bool, device=dev)
     dense = torch.cat([prefix_vis, tree], dim=-1)[:, None]  # [bs, 1, n, prefix + n]
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, lens=lens, bitmask=bitmask, dense=dense,
-                k_new=k_cache[:, :, prefix:].contiguous(), v_new=v_cache[:, :, prefix:].contiguous(),
-                scale=d ** -0.5)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lens": lens, "bitmask": bitmask, "dense": dense,
+                "k_new": k_cache[:, :, prefix:].contiguous(), "v_new": v_cache[:, :, prefix:].contiguous(),
+                "scale": d ** -0.5}
 
 
 def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) -> list[dict[str, Any]]:
@@ -109,8 +110,8 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
         for prefix in args.prefixes:
             for n in args.nodes:
                 x = _attention_inputs(bs, prefix, n, args, dtype, gen)
-                base = dict(op="tree_attention", bs=bs, prefix=prefix, n=n, q_heads=args.q_heads,
-                            kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=str(dtype))
+                base = {"op": "tree_attention", "bs": bs, "prefix": prefix, "n": n, "q_heads": args.q_heads,
+                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": str(dtype)}
                 # minimum traffic: K and V of prefix + tree once per kv head, q in, out out
                 nbytes = elt * (2 * bs * args.kv_heads * (prefix + n) * args.head_dim
                                 + 2 * bs * args.q_heads * n * args.head_dim)
@@ -131,7 +132,7 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
                         row.update(_timings(fn, args.rep_ms, graphs))
                         row["eager_GBps"] = _gbps(nbytes, row["eager_ms"])
                         row["graph_GBps"] = _gbps(nbytes, row.get("graph_ms"))
-                    except Exception as err:
+                    except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
                         row["error"] = f"{type(err).__name__}: {err}"
                         traceback.print_exc()
                     rows.append(row)
@@ -163,13 +164,14 @@ def bench_compact(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) ->
                 src = src_row[None].expand(bs, m).contiguous()
                 moved_rows = int((src_row != torch.arange(m, device=dev)).sum())
                 nbytes = 2 * 2 * args.layers * bs * args.kv_heads * moved_rows * args.head_dim * elt  # K,V read+write
-                base = dict(op="compact_kv", kind=kind, bs=bs, prefix=prefix, layers=args.layers,
-                            kv_heads=args.kv_heads, head_dim=args.head_dim, accepted=m, dtype=str(dtype))
+                base = {"op": "compact_kv", "kind": kind, "bs": bs, "prefix": prefix, "layers": args.layers,
+                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "accepted": m, "dtype": str(dtype)}
                 k_ref, v_ref = k.clone(), v.clone()
                 compact_kv_reference(k_ref, v_ref, lengths, src, counts)
                 k_tri, v_tri = k.clone(), v.clone()
-                for name, fn in (("triton", lambda: compact_kv_triton(k_tri, v_tri, lengths, src, counts)),
-                                 ("torch", lambda: compact_kv_reference(k_ref, v_ref, lengths, src, counts))):
+                paths = (("triton", partial(compact_kv_triton, k_tri, v_tri, lengths, src, counts)),
+                         ("torch", partial(compact_kv_reference, k_ref, v_ref, lengths, src, counts)))
+                for name, fn in paths:
                     row = dict(base, path=name, bytes=nbytes)
                     try:
                         if name == "triton":
@@ -178,7 +180,7 @@ def bench_compact(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) ->
                         row.update(_timings(fn, args.rep_ms, graphs))
                         row["eager_GBps"] = _gbps(nbytes, row["eager_ms"])
                         row["graph_GBps"] = _gbps(nbytes, row.get("graph_ms"))
-                    except Exception as err:
+                    except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
                         row["error"] = f"{type(err).__name__}: {err}"
                         traceback.print_exc()
                     rows.append(row)
@@ -235,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     graphs = not args.no_graphs
     props = torch.cuda.get_device_properties(0)
-    env = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-               triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version())
+    env = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+               "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     _print_header()
-    results: dict[str, Any] = dict(schema=SCHEMA, env=env, args={k: (str(v) if isinstance(v, Path) else v)
-                                                                 for k, v in vars(args).items()})
+    results: dict[str, Any] = {"schema": SCHEMA, "env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                                 for k, v in vars(args).items()}}
     results["attention"] = bench_attention(args, dtype, graphs)
     _write_json(args.out, results)
     if not args.skip_compact:

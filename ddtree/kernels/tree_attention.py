@@ -59,7 +59,7 @@ def tree_attention_reference(
     Keys are the whole cache (masked to c < cache_lens[b]) followed by the n tree keys (masked by the
     bitmask), so every shape is static and nothing syncs with the host.
     """
-    bs, hq, n, d = _check_inputs(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask)
+    bs, hq, n, _ = _check_inputs(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask)
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     if k_new is None or v_new is None:
         k_new, v_new = _tree_rows_from_cache(k_cache, v_cache, cache_lens, n)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.kernels.bitmask import ancestor_mask, as_words, causal_bitmask, pack_mask, unpack_bitmask
+from ddtree.kernels.bitmask import (
+    ancestor_mask,
+    as_words,
+    causal_bitmask,
+    pack_mask,
+    unpack_bitmask,
+)
 
 pytestmark = pytest.mark.kernels
 

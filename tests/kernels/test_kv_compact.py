@@ -16,8 +16,12 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.kernels.kv_compact import compact_kv, compact_kv_reference, compact_kv_triton  # noqa: E402
-from tests.kernels.kernel_asserts import (  # noqa: E402
+from ddtree.kernels.kv_compact import (
+    compact_kv,
+    compact_kv_reference,
+    compact_kv_triton,
+)
+from tests.kernels.kernel_asserts import (
     interpreter_off_but_installed,
     run_triton_cases_in_child,
     triton_runtime,

@@ -20,15 +20,15 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (see module docstring)
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-from ddtree.kernels.bitmask import ancestor_mask, causal_bitmask, pack_mask  # noqa: E402
-from ddtree.kernels.tree_attention import (  # noqa: E402
+from ddtree.kernels.bitmask import ancestor_mask, causal_bitmask, pack_mask
+from ddtree.kernels.tree_attention import (
     tree_attention,
     tree_attention_reference,
     tree_attention_triton,
 )
-from tests.kernels.kernel_asserts import (  # noqa: E402
+from tests.kernels.kernel_asserts import (
     assert_close,
     interpreter_off_but_installed,
     run_triton_cases_in_child,
@@ -109,7 +109,7 @@ def make_inputs(case: Case, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(case.seed)
     hq = case.hkv * case.group
     max_len = case.prefix + case.n + 7
-    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
     q = randn(case.bs, hq, case.n, case.d)
     k_cache, v_cache = randn(case.bs, case.hkv, max_len, case.d), randn(case.bs, case.hkv, max_len, case.d)
     lens = torch.randint(0, case.prefix + 1, (case.bs,), generator=gen)
@@ -124,9 +124,9 @@ def make_inputs(case: Case, device: torch.device) -> dict:
     if not case.in_cache:
         k_new, v_new = randn(case.bs, case.hkv, case.n, case.d), randn(case.bs, case.hkv, case.n, case.d)
     bitmask = pack_mask(ancestor_mask(random_parents(case.bs, case.n, gen)))
-    cast = lambda t: None if t is None else t.to(device=device, dtype=case.dtype)  # noqa: E731
-    return dict(q=cast(q), k_cache=cast(k_cache), v_cache=cast(v_cache), cache_lens=lens.to(device),
-                k_new=cast(k_new), v_new=cast(v_new), tree_bitmask=bitmask.to(device), scale=case.d ** -0.5)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=case.dtype)
+    return {"q": cast(q), "k_cache": cast(k_cache), "v_cache": cast(v_cache), "cache_lens": lens.to(device),
+                "k_new": cast(k_new), "v_new": cast(v_new), "tree_bitmask": bitmask.to(device), "scale": case.d ** -0.5}
 
 
 def exact(inputs: dict) -> torch.Tensor:
@@ -142,7 +142,7 @@ def naive_tree_attention(inputs: dict) -> torch.Tensor:
     """One query at a time: gather exactly the keys it may see, softmax in float64."""
     q, kc, vc = inputs["q"].double(), inputs["k_cache"].double(), inputs["v_cache"].double()
     lens, bits, scale = inputs["cache_lens"].tolist(), inputs["tree_bitmask"], inputs["scale"]
-    bs, hq, n, d = q.shape
+    bs, hq, n, _ = q.shape
     group = hq // kc.shape[1]
     out = torch.empty_like(q)
     for b in range(bs):
@@ -265,14 +265,14 @@ def _bad(**changes: object) -> dict:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    pytest.param(dict(q=torch.zeros(2, 4, 5)), "q must be", id="q-rank"),
-    pytest.param(dict(q=torch.zeros(2, 3, 5, 16)), "multiple of Hkv", id="heads-not-grouped"),
-    pytest.param(dict(q=torch.zeros(2, 4, 300, 16)), r"n \(tree nodes", id="too-many-nodes"),
-    pytest.param(dict(cache_lens=torch.zeros(3, dtype=torch.long)), "cache_lens", id="lens-shape"),
-    pytest.param(dict(tree_bitmask=torch.zeros(2, 5, dtype=torch.int32)), "int64", id="bitmask-dtype"),
-    pytest.param(dict(tree_bitmask=torch.zeros(2, 4, dtype=torch.long)), "tree_bitmask", id="bitmask-shape"),
-    pytest.param(dict(v_new=None), "both k_new and v_new", id="half-new"),
-    pytest.param(dict(k_new=torch.zeros(2, 2, 4, 16)), "k_new must be", id="k-new-shape"),
+    pytest.param({"q": torch.zeros(2, 4, 5)}, "q must be", id="q-rank"),
+    pytest.param({"q": torch.zeros(2, 3, 5, 16)}, "multiple of Hkv", id="heads-not-grouped"),
+    pytest.param({"q": torch.zeros(2, 4, 300, 16)}, r"n \(tree nodes", id="too-many-nodes"),
+    pytest.param({"cache_lens": torch.zeros(3, dtype=torch.long)}, "cache_lens", id="lens-shape"),
+    pytest.param({"tree_bitmask": torch.zeros(2, 5, dtype=torch.int32)}, "int64", id="bitmask-dtype"),
+    pytest.param({"tree_bitmask": torch.zeros(2, 4, dtype=torch.long)}, "tree_bitmask", id="bitmask-shape"),
+    pytest.param({"v_new": None}, "both k_new and v_new", id="half-new"),
+    pytest.param({"k_new": torch.zeros(2, 2, 4, 16)}, "k_new must be", id="k-new-shape"),
 ])
 def test_bad_input_names_the_field(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
