@@ -25,6 +25,7 @@ from ddtree.tree import (
     follow_trees,
     is_chain,
     top_log_probs,
+    top_log_probs_fast,
 )
 
 pytestmark = pytest.mark.kernels
@@ -197,6 +198,37 @@ def test_batched_matches_heap_per_row(args: tuple[int, int, int, int, int], bs: 
             for field in ("tokens", "parents", "depths", "log_probs"):
                 assert torch.equal(getattr(row, field), getattr(heap, field)), field
             assert token_paths(row) == token_paths(heap)
+
+
+@SETTINGS
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 3),
+    st.integers(1, 3000),
+    st.integers(1, 16),
+    st.sampled_from(["distinct", "ties", "peaked"]),
+)
+def test_fast_vocab_pass_equals_reference(seed: int, rows: int, vocab: int, topk: int, kind: str) -> None:
+    """The two-stage (block max) top-k gives the reference's values exactly, and its ids when
+    there are no exact ties; large V so the block path runs, odd V so the tail is covered."""
+    logits = random_logits(seed, (rows, 2, vocab), kind)
+    ref_values, ref_ids = top_log_probs(logits, topk)
+    values, ids = top_log_probs_fast(logits, topk)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(logits.log_softmax(-1).gather(-1, ids).clamp(min=-1e30), values)  # ids carry those values
+    assert (ids.sort(dim=-1).values.diff(dim=-1) != 0).all(), "ids repeat within a row"
+    if kind == "distinct":
+        assert torch.equal(ids, ref_ids)
+
+
+@pytest.mark.parametrize("vocab", [2000, 32000, 32001])
+def test_batched_equals_heap_at_large_vocab(vocab: int) -> None:
+    logits = random_logits(vocab, (4, 7, vocab))
+    trees = build_trees(logits, 16, 4)
+    for b in range(4):
+        heap, row = build_tree(logits[b], 16, 4), trees.row(b)
+        for field in ("tokens", "parents", "depths", "log_probs"):
+            assert torch.equal(getattr(row, field), getattr(heap, field)), field
 
 
 @pytest.mark.parametrize("budget, depth_limit", [(3, 7), (7, 7), (16, 7), (1, 1), (20, 15)])
@@ -398,7 +430,7 @@ def _batched_round(device: str | torch.device, logits: torch.Tensor) -> None:
 def test_batched_path_runs_on_meta_tensors() -> None:
     """Meta tensors have shapes but no data: anything that reads a value on the host (.item(),
     .tolist(), bool(), nonzero, boolean-mask indexing) raises, so a clean run means no sync."""
-    logits = torch.empty(4, 5, 50, device="meta")
+    logits = torch.empty(4, 5, 1000, device="meta")  # V large enough for the block top-k
     _batched_round("meta", logits)
     with pytest.raises((RuntimeError, NotImplementedError)):  # the check can fail
         build_trees(logits, 12, 3).num_nodes.tolist()
@@ -414,7 +446,7 @@ def test_batched_path_never_reads_values_on_cpu(monkeypatch: pytest.MonkeyPatch)
 
         return raise_
 
-    logits = random_logits(0, (4, 5, 50))
+    logits = random_logits(0, (4, 5, 1000))
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "nonzero", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, forbidden(name))
     monkeypatch.setattr(torch, "nonzero", forbidden("nonzero"))
