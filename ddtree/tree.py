@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +58,7 @@ __all__ = [
 # sum to a finite float32.
 _LOG_PROB_FLOOR = -1e30
 BITMASK_MAX_NODES = 64  # one int64 word per row
+T = TypeVar("T")
 _CPU_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32 per log_softmax call on CPU
 _BLOCK = 32  # tokens per block in the two-stage top-k
 
@@ -140,7 +143,7 @@ def top_log_probs(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.
     v = logits.shape[-1]
     k = min(topk, v)
     rows = logits.reshape(-1, v)  # [R, V], a view when contiguous
-    parts = [torch.log_softmax(c.float(), dim=-1).topk(k, dim=-1) for c in _row_chunks(rows)]
+    parts = _per_chunk_log_softmax(rows, lambda lsm, _: lsm.topk(k, dim=-1))
     values = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]  # [R, K]
     ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]  # [R, K]
     return _finish_top(values, ids, logits.shape)
@@ -158,23 +161,27 @@ def top_log_probs_fast(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, t
     k = min(topk, v)
     rows = logits.reshape(-1, v)  # [R, V]
     ids = _block_topk_ids(rows, k)  # [R, K]
-    values = torch.cat(
-        [torch.log_softmax(c.float(), dim=-1).gather(1, i) for c, i in zip(_row_chunks(rows), _row_chunks(ids, v))]
-    )  # [R, K]
+    values = torch.cat(_per_chunk_log_softmax(rows, lambda lsm, sl: lsm.gather(1, ids[sl])))  # [R, K]
     return _finish_top(values, ids, logits.shape)
 
 
-def _row_chunks(rows: torch.Tensor, row_width: int | None = None) -> list[torch.Tensor]:
-    """Split rows[R, ...] into cache-sized pieces on CPU (rows of `row_width` elements).
+def _per_chunk_log_softmax(rows: torch.Tensor, fn: Callable[[torch.Tensor, slice], T]) -> list[T]:
+    """fn(log_softmax(rows[sl]) in float32, sl) for cache-sized row slices of rows[R, V].
 
-    A [bs*L, V] float32 temporary is tens of MB of fresh pages; ~2 MiB pieces stay in cache and
-    run 2-3x faster. On an accelerator one piece is best.
+    On CPU a [bs*L, V] float32 temporary is tens of MB of fresh pages; ~2 MiB slices written
+    into one reused buffer stay in cache and run 2-3x faster. On an accelerator: one slice.
     """
-    width = row_width or rows.shape[-1]
-    if rows.device.type != "cpu":
-        return [rows]
-    step = max(1, _CPU_CHUNK_ELEMS // width)
-    return [rows[i : i + step] for i in range(0, rows.shape[0], step)]
+    r, v = rows.shape
+    if rows.device.type != "cpu" or r * v <= _CPU_CHUNK_ELEMS:
+        return [fn(torch.log_softmax(rows.float(), dim=-1), slice(0, r))]
+    step = max(1, _CPU_CHUNK_ELEMS // v)
+    buf = torch.empty(step, v, dtype=torch.float32, device=rows.device)
+    out = []
+    for i in range(0, r, step):
+        sl = slice(i, min(i + step, r))
+        piece = rows[sl].float()
+        out.append(fn(torch.log_softmax(piece, dim=-1, out=buf[: piece.shape[0]]), sl))
+    return out
 
 
 def _block_topk_ids(rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -503,8 +510,9 @@ def benchmark_cpu(
     repeats: int = 5,
 ) -> list[dict[str, float]]:
     """Per-request microseconds (best of `repeats`) of the heap path (a Python loop over rows)
-    and the batched path, for: the vocabulary pass alone (top_log_probs, shared by both builds),
-    the build, the tree selection after the vocabulary pass, and a round (build + compile + walk).
+    and the batched path, for: the vocabulary pass (top_log_probs per row vs top_log_probs_fast
+    on the batch), the build (vocabulary pass + selection), the selection alone, the tree work
+    after the vocabulary pass (selection + compile + walk) and a whole round (build + compile + walk).
     """
     rows: list[dict[str, float]] = []
     gen = torch.Generator().manual_seed(0)
@@ -515,9 +523,23 @@ def benchmark_cpu(
             starts = torch.full((bs,), 100, dtype=torch.long)
             for topk in topks:
                 top = top_log_probs(logits, topk)  # ([bs, L, K], [bs, L, K])
-                vocab_us = _time(lambda: top_log_probs(logits, topk), repeats) / bs * 1e6
+                vocab = {
+                    "heap_vocab": _time(lambda: [top_log_probs(logits[r], topk) for r in range(bs)], repeats),
+                    "batched_vocab": _time(lambda: top_log_probs_fast(logits, topk), repeats),
+                }
                 for budget in budgets:
                     targets = _spine_targets(logits, build_trees(logits, budget, topk))
+
+                    def heap_tree() -> None:
+                        for r in range(bs):
+                            tree = _heap_tree(top[0][r], top[1][r], budget)
+                            compile_tree(tree, 0, 100)
+                            follow_tree(tree, targets[r, : tree.num_nodes + 1])
+
+                    def batched_tree() -> None:
+                        trees = _batched_trees(top[0], top[1], budget)
+                        compile_trees(trees, roots, starts)
+                        follow_trees(trees, targets)
 
                     def heap_round() -> None:
                         for r in range(bs):
@@ -535,30 +557,56 @@ def benchmark_cpu(
                         "batched_build": lambda: build_trees(logits, budget, topk),
                         "heap_select": lambda: [_heap_tree(top[0][r], top[1][r], budget) for r in range(bs)],
                         "batched_select": lambda: _batched_trees(top[0], top[1], budget),
+                        "heap_tree": heap_tree,
+                        "batched_tree": batched_tree,
                         "heap_round": heap_round,
                         "batched_round": batched_round,
                     }
-                    row = {"bs": bs, "budget": budget, "topk": topk, "L": depth, "vocab_pass": vocab_us}
-                    row.update({name: _time(fn, repeats) / bs * 1e6 for name, fn in cases.items()})
+                    row = {"bs": bs, "budget": budget, "topk": topk, "L": depth}
+                    times = {**vocab, **{name: _time(fn, repeats) for name, fn in cases.items()}}
+                    row.update({name: seconds / bs * 1e6 for name, seconds in times.items()})
                     rows.append(row)
     return rows
 
 
+STEPS = ("vocab", "build", "select", "tree", "round")
+
+
 def _print_table(rows: list[dict[str, float]]) -> None:
-    """A markdown table of benchmark_cpu's rows; times in microseconds per request."""
-    print(
-        "| bs | B | K | L | vocab pass | heap build | batched build | speed-up "
-        "| heap select | batched select | speed-up | heap round | batched round | speed-up |"
-    )
-    print("|" + "---|" * 14)
+    """A markdown table of benchmark_cpu's rows: heap / batched us per request, and the speed-up."""
+    print("| bs | B | K | L | " + " | ".join(STEPS) + " |")
+    print("|" + "---|" * (4 + len(STEPS)))
     for r in rows:
-        cells = [f"{r['bs']}", f"{r['budget']}", f"{r['topk']}", f"{r['L']}", f"{r['vocab_pass']:.0f}"]
-        for step in ("build", "select", "round"):
+        cells = [f"{r['bs']}", f"{r['budget']}", f"{r['topk']}", f"{r['L']}"]
+        for step in STEPS:
             heap, batched = r[f"heap_{step}"], r[f"batched_{step}"]
-            cells += [f"{heap:.0f}", f"{batched:.0f}", f"{heap / batched:.1f}x"]
+            cells.append(f"{heap:.0f} / {batched:.0f} = {heap / batched:.1f}x")
         print("| " + " | ".join(cells) + " |")
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ddtree.tree", description=benchmark_cpu.__doc__)
+    parser.add_argument("--bs", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--budget", type=int, nargs="+", default=[8, 16, 64])
+    parser.add_argument("--topk", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--depth", type=int, nargs="+", default=[7, 15], help="L = block_size - 1")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=9, help="the best of this many runs is reported")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, V={args.vocab}, best of "
+        f"{args.repeats}; each cell: heap us/request / batched us/request = speed-up"
+    )
+    rows = benchmark_cpu(
+        tuple(args.bs), tuple(args.budget), tuple(args.topk), tuple(args.depth), args.vocab, args.repeats
+    )
+    _print_table(rows)
+
+
 if __name__ == "__main__":
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, V=32000, best of 5, us/request")
-    _print_table(benchmark_cpu())
+    main()

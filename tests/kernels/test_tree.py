@@ -446,7 +446,7 @@ def test_batched_path_never_reads_values_on_cpu(monkeypatch: pytest.MonkeyPatch)
 
         return raise_
 
-    logits = random_logits(0, (4, 5, 1000))
+    logits = random_logits(0, (4, 5, 32000))  # large enough for the chunked vocabulary pass
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "nonzero", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, forbidden(name))
     monkeypatch.setattr(torch, "nonzero", forbidden("nonzero"))
