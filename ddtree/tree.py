@@ -523,7 +523,7 @@ def benchmark_cpu(
             starts = torch.full((bs,), 100, dtype=torch.long)
             for topk in topks:
                 top = top_log_probs(logits, topk)  # ([bs, L, K], [bs, L, K])
-                vocab = {
+                vocab_times = {
                     "heap_vocab": _time(lambda: [top_log_probs(logits[r], topk) for r in range(bs)], repeats),
                     "batched_vocab": _time(lambda: top_log_probs_fast(logits, topk), repeats),
                 }
@@ -563,7 +563,7 @@ def benchmark_cpu(
                         "batched_round": batched_round,
                     }
                     row = {"bs": bs, "budget": budget, "topk": topk, "L": depth}
-                    times = {**vocab, **{name: _time(fn, repeats) for name, fn in cases.items()}}
+                    times = {**vocab_times, **{name: _time(fn, repeats) for name, fn in cases.items()}}
                     row.update({name: seconds / bs * 1e6 for name, seconds in times.items()})
                     rows.append(row)
     return rows
