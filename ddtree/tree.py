@@ -485,13 +485,13 @@ def compaction_indices(accepted: torch.Tensor, accept_lens: torch.Tensor) -> tup
 # -- CPU timing table: `python -m ddtree.tree` ----------------------------------------------------
 def _spine_targets(logits: torch.Tensor, trees: DraftTrees) -> torch.Tensor:
     """Target tokens that follow the drafter's top-1 token at the next depth, so walks go deep."""
-    bs, depth_limit, _ = logits.shape
+    bs = logits.shape[0]
     spine = torch.cat([logits.argmax(-1), torch.zeros(bs, 1, dtype=torch.long)], dim=1)  # [bs, L+1]
     depths = torch.cat([torch.zeros(bs, 1, dtype=torch.long), trees.depths], dim=1)  # [bs, B+1]
     return spine.gather(1, depths)  # node at depth d gets the top-1 token of depth d+1
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -499,6 +499,59 @@ def _time(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _round_cases(logits: torch.Tensor, budget: int, topk: int) -> dict[str, Callable[[], object]]:
+    """The timed callables for one cell, heap_* (a loop over rows) and batched_*."""
+    bs = logits.shape[0]
+    lp, ids = top_log_probs(logits, topk)  # [bs, L, K]
+    targets = _spine_targets(logits, build_trees(logits, budget, topk))  # [bs, B+1]
+    roots = torch.zeros(bs, dtype=torch.long)
+    starts = torch.full((bs,), 100, dtype=torch.long)
+
+    def heap(select: Callable[[int], DraftTree], compile_walk: bool) -> Callable[[], object]:
+        def run() -> None:
+            for r in range(bs):
+                tree = select(r)
+                if compile_walk:
+                    compile_tree(tree, 0, 100)
+                    follow_tree(tree, targets[r, : tree.num_nodes + 1])
+
+        return run
+
+    def batched(select: Callable[[], DraftTrees], compile_walk: bool) -> Callable[[], object]:
+        def run() -> None:
+            trees = select()
+            if compile_walk:
+                compile_trees(trees, roots, starts)
+                follow_trees(trees, targets)
+
+        return run
+
+    def heap_select(r: int) -> DraftTree:
+        return _heap_tree(lp[r], ids[r], budget)
+
+    def heap_build(r: int) -> DraftTree:
+        return build_tree(logits[r], budget, topk)
+
+    def batched_select() -> DraftTrees:
+        return _batched_trees(lp, ids, budget)
+
+    def batched_build() -> DraftTrees:
+        return build_trees(logits, budget, topk)
+
+    return {
+        "heap_vocab": lambda: [top_log_probs(logits[r], topk) for r in range(bs)],
+        "batched_vocab": lambda: top_log_probs_fast(logits, topk),
+        "heap_build": heap(heap_build, False),
+        "batched_build": batched(batched_build, False),
+        "heap_select": heap(heap_select, False),
+        "batched_select": batched(batched_select, False),
+        "heap_tree": heap(heap_select, True),
+        "batched_tree": batched(batched_select, True),
+        "heap_round": heap(heap_build, True),
+        "batched_round": batched(batched_build, True),
+    }
 
 
 def benchmark_cpu(
@@ -519,52 +572,11 @@ def benchmark_cpu(
     for depth in depths:
         for bs in batch_sizes:
             logits = torch.randn(bs, depth, vocab, generator=gen) * 3.0  # [bs, L, V]
-            roots = torch.zeros(bs, dtype=torch.long)
-            starts = torch.full((bs,), 100, dtype=torch.long)
             for topk in topks:
-                top = top_log_probs(logits, topk)  # ([bs, L, K], [bs, L, K])
-                vocab_times = {
-                    "heap_vocab": _time(lambda: [top_log_probs(logits[r], topk) for r in range(bs)], repeats),
-                    "batched_vocab": _time(lambda: top_log_probs_fast(logits, topk), repeats),
-                }
                 for budget in budgets:
-                    targets = _spine_targets(logits, build_trees(logits, budget, topk))
-
-                    def heap_tree() -> None:
-                        for r in range(bs):
-                            tree = _heap_tree(top[0][r], top[1][r], budget)
-                            compile_tree(tree, 0, 100)
-                            follow_tree(tree, targets[r, : tree.num_nodes + 1])
-
-                    def batched_tree() -> None:
-                        trees = _batched_trees(top[0], top[1], budget)
-                        compile_trees(trees, roots, starts)
-                        follow_trees(trees, targets)
-
-                    def heap_round() -> None:
-                        for r in range(bs):
-                            tree = build_tree(logits[r], budget, topk)
-                            compile_tree(tree, 0, 100)
-                            follow_tree(tree, targets[r, : tree.num_nodes + 1])
-
-                    def batched_round() -> None:
-                        trees = build_trees(logits, budget, topk)
-                        compile_trees(trees, roots, starts)
-                        follow_trees(trees, targets)
-
-                    cases = {
-                        "heap_build": lambda: [build_tree(logits[r], budget, topk) for r in range(bs)],
-                        "batched_build": lambda: build_trees(logits, budget, topk),
-                        "heap_select": lambda: [_heap_tree(top[0][r], top[1][r], budget) for r in range(bs)],
-                        "batched_select": lambda: _batched_trees(top[0], top[1], budget),
-                        "heap_tree": heap_tree,
-                        "batched_tree": batched_tree,
-                        "heap_round": heap_round,
-                        "batched_round": batched_round,
-                    }
-                    row = {"bs": bs, "budget": budget, "topk": topk, "L": depth}
-                    times = {**vocab_times, **{name: _time(fn, repeats) for name, fn in cases.items()}}
-                    row.update({name: seconds / bs * 1e6 for name, seconds in times.items()})
+                    row: dict[str, float] = {"bs": bs, "budget": budget, "topk": topk, "L": depth}
+                    for name, fn in _round_cases(logits, budget, topk).items():
+                        row[name] = _time(fn, repeats) / bs * 1e6
                     rows.append(row)
     return rows
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from ddtree.errors import ConfigError
 from ddtree.tree import (
     DraftTree,
-    DraftTrees,
     build_tree,
     build_trees,
     compaction_indices,
