@@ -1,0 +1,114 @@
+"""Acceptance and speed of AR, DFLASH and DDTREE side by side on held-out code, in one process.
+
+    python -m ddtree.bench.acceptance --target fixtures/models/target --drafter fixtures/models/drafter \
+        --configs dflash-w2048-bs8 b8-k4-w2048-bs8 --prompts 8 --context 256 --max-new-tokens 96
+
+Prompts are cut from the held-out code files (the target's training manifest names them) to an
+exact token length; every config runs on the same prompts with the same engine, and each output is
+checked against AR's (lossless at T = 0). Prints one line per config and can write JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.engine import Engine
+from ddtree.text import load_tokenizer
+
+DEFAULT_CONFIGS = [
+    "dflash-w2048-bs8",
+    "b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b12-k6-w2048-bs8", "b16-k4-w2048-bs8",
+    "b4-k4-wnone-bs8", "b8-k4-wnone-bs8", "b12-k6-wnone-bs8", "b16-k4-wnone-bs8",
+    "dflash-w2048-bs16", "b8-k4-w2048-bs16", "b16-k4-w2048-bs16",
+]
+
+
+def heldout_files(target_dir: Path) -> list[Path]:
+    """The held-out stdlib files named in the target's model card, resolved against this Python's stdlib."""
+    card = (target_dir / "README.md").read_text()
+    line = next((ln for ln in card.splitlines() if ln.startswith("- Held out")), "")
+    names = [n.strip() for n in line.split(":", 1)[-1].split(",") if n.strip().endswith(".py")]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [root / n for n in names if (root / n).is_file()]
+
+
+def heldout_prompts(target_dir: Path, count: int, context: int) -> list[list[int]]:
+    codec = load_tokenizer(target_dir)
+    if codec is None:
+        raise SystemExit(f"{target_dir}: no tokenizer.json")
+    prompts: list[list[int]] = []
+    for path in heldout_files(target_dir):
+        ids = codec.encode(path.read_text(encoding="utf-8", errors="replace"))
+        for start in range(0, len(ids) - context, max(context, len(ids) // 2)):
+            prompts.append(ids[start : start + context])
+            break  # one prompt per file: spread over many files
+        if len(prompts) == count:
+            break
+    if len(prompts) < count:
+        raise SystemExit(f"only {len(prompts)} held-out prompts of {context} tokens (wanted {count})")
+    return prompts
+
+
+def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
+            batch: int) -> dict:
+    t0 = time.perf_counter()
+    results = []
+    for i in range(0, len(prompts), batch):
+        out = engine.generate(prompts[i : i + batch], max_new_tokens, spec=spec, ignore_eos=True)
+        results.extend(out)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    rounds = sum(len(r.accept_lengths) for r in results)
+    return {
+        "config_id": spec.id,
+        "tau": sum(sum(r.accept_lengths) for r in results) / rounds if rounds else 1.0,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tok_per_s": tokens / elapsed,
+        "outputs": [r.token_ids for r in results],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.acceptance", description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=Path("fixtures/models/target"))
+    p.add_argument("--drafter", type=Path, default=Path("fixtures/models/drafter"))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--batch", type=int, default=8, help="prompts per engine.generate call")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
+    prompts = heldout_prompts(args.target, args.prompts, args.context)
+    ar = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), args.max_new_tokens, args.batch)
+    rows = [ar]
+    print(f"{'config':22} {'tau':>6} {'tok/s':>8} {'vs AR':>6}  lossless")
+    print(f"{'ar':22} {1.0:6.2f} {ar['tok_per_s']:8.1f} {1.0:6.2f}  -")
+    for config_id in args.configs:
+        spec = SpecConfig.from_id(config_id)
+        row = measure(engine, prompts, spec, args.max_new_tokens, args.batch)
+        row["lossless"] = row["outputs"] == ar["outputs"]
+        rows.append(row)
+        print(f"{spec.id:22} {row['tau']:6.2f} {row['tok_per_s']:8.1f} "
+              f"{row['tok_per_s'] / ar['tok_per_s']:6.2f}  {row['lossless']}", flush=True)
+    if args.out:
+        summary = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
+        meta = {"prompts": args.prompts, "context": args.context, "max_new_tokens": args.max_new_tokens,
+                "device": args.device, "batch": args.batch}
+        args.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))
+    return 0 if all(r.get("lossless", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
