@@ -32,29 +32,6 @@ from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_t
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 
 
-def _row_view(cache, start: int, stop: int):
-    """A view of batch rows [start, stop) of a KVCache or DraftContext (shares storage, no copy)."""
-    view = object.__new__(type(cache))
-    view.__dict__.update(cache.__dict__)
-    view.k, view.v = cache.k[:, start:stop], cache.v[:, start:stop]
-    for name in ("lengths", "total"):
-        if name in cache.__dict__:
-            setattr(view, name, getattr(cache, name)[start:stop])
-    if "batch" in cache.__dict__:
-        view.batch = stop - start
-    return view
-
-
-def _move_row(cache, src: int, dst: int) -> None:
-    """Copy batch row src of a KVCache or DraftContext into row dst (keeps live rows packed)."""
-    cache.k[:, dst] = cache.k[:, src]
-    cache.v[:, dst] = cache.v[:, src]
-    for name in ("lengths", "total"):
-        if name in cache.__dict__:
-            buf = getattr(cache, name)
-            buf[dst] = buf[src]
-
-
 @dataclass
 class Request:
     """One generation request as the batch sees it (already tokenized and validated)."""
@@ -186,14 +163,14 @@ class DecodeBatch:
         self.temps[slot] = float(request.temperature)
         self.seeds[slot] = seed
         self.timer.start("prefill")
-        cache = _row_view(self.cache, slot, slot + 1)
+        cache = self.cache.rows(slot, slot + 1)
         cache.reset(torch.ones(1, dtype=torch.bool, device=self.device))
         positions = torch.arange(n, device=self.device)[None]
         taps_layers = eng.tap_layers if self.spec.speculative else None
         logits, taps = eng.target.forward(prompt, positions, cache, None, taps_layers, kv_len_hint=n)
         cache.advance(torch.full((1,), n, dtype=torch.long, device=self.device))
         if self.ctx is not None:
-            ctx = _row_view(self.ctx, slot, slot + 1)
+            ctx = self.ctx.rows(slot, slot + 1)
             ctx.reset(torch.ones(1, dtype=torch.bool, device=self.device))
             eng.drafter.append_context(ctx, taps, positions, torch.full((1,), n, device=self.device))
         first = choose_tokens_no_sync(
@@ -232,7 +209,7 @@ class DecodeBatch:
         n = len(self.rows)
         eng, t = self.engine, self.timer
         committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
-        cache = _row_view(self.cache, 0, n)
+        cache = self.cache.rows(0, n)
         t.start("verify")
         ids = self.bonus[:n, None]
         logits, _ = eng.target.forward(ids, committed[:, None], cache, None, None,
@@ -254,7 +231,7 @@ class DecodeBatch:
         n, spec, eng, t = len(self.rows), self.spec, self.engine, self.timer
         block = spec.block_size
         committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
-        cache, ctx = _row_view(self.cache, 0, n), _row_view(self.ctx, 0, n)
+        cache, ctx = self.cache.rows(0, n), self.ctx.rows(0, n)
         bonus = self.bonus[:n]
 
         # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
@@ -335,9 +312,9 @@ class DecodeBatch:
     def _remove(self, slot: int) -> None:
         last = len(self.rows) - 1
         if slot != last:  # keep rows packed: move the last row into the freed slot
-            _move_row(self.cache, last, slot)
+            self.cache.move_row(last, slot)
             if self.ctx is not None:
-                _move_row(self.ctx, last, slot)
+                self.ctx.move_row(last, slot)
             for buf in (self.bonus, self.temps, self.seeds):
                 buf[slot] = buf[last]
             self.rows[slot] = self.rows[last]

@@ -86,6 +86,12 @@ class DraftContext:
         view.window, view.capacity = self.window, self.capacity
         return view
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy batch row src into row dst (keeps a batch's live rows packed)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.total[dst] = self.total[src]
+
     def reset(self, rows: torch.Tensor) -> None:
         """Forget the context of rows[bs] bool (a batch slot handed to a new request)."""
         self.total.masked_fill_(rows.to(self.total.device), 0)

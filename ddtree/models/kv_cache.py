@@ -68,6 +68,12 @@ class KVCache:
         view.max_len, view.batch = self.max_len, stop - start
         return view
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy batch row src into row dst, K/V and length (keeps a batch's live rows packed)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.lengths[dst] = self.lengths[src]
+
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged)."""
         bs, _, n_q, _ = k_new.shape
