@@ -52,6 +52,30 @@ def corpus_section(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def label_description(label: str) -> str:
+    """What a drafter's block position k at anchor a was trained to predict."""
+    if label == "target":
+        return ("the target's own argmax at position anchor + k - 1 (self-distillation: acceptance is judged "
+                "against the target's choices, not the data's); rollout rows use their tokens, which are that already")
+    return "the data's token anchor + k"
+
+
+def rollout_section(r: dict[str, Any] | None, batch_size: int) -> str:
+    """Card lines on the target's greedy rollouts a drafter trained on (empty when none)."""
+    if not r:
+        return "- Data: corpus windows only (no target rollouts)."
+    src = r.get("source") or {}
+    spec = src.get("spec", {})
+    return (
+        f"- Data: {r['rows_per_batch']} of {batch_size} rows per batch (share {r['share']:g}) are the target's own greedy "
+        f"(T=0, EOS ignored) rollouts: {r['sequences']:,} sequences ({r['usable']:,} usable), prompts of "
+        f"{r['prompt_len_range'][0]}..{r['prompt_len_range'][1]} tokens from random offsets of the training array, "
+        f"{r['gen_len']} generated tokens each ({r['generated_tokens']:,} in all; generated on {src.get('device', '?')} "
+        f"in {src.get('dtype', '?')}, {src.get('time_s', '?')} s, seed {spec.get('seed', '?')}); one sequence per row, "
+        "right-padded, anchors only where the whole block's labels are generated tokens. The other rows are corpus windows."
+    )
+
+
 def environment() -> dict[str, str]:
     env = {"python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():

@@ -6,6 +6,9 @@
     ddtree train target    --data DATA --out DIR [...]
     ddtree train drafter   --data DATA --target DIR --out DIR [...]
     ddtree train all       --data DATA --out DIR --device cuda --time-budget-s N   target, then drafter
+    ddtree train rollouts  --data DATA --target DIR --out DIR [--num N --gen-len G ...]   the target's greedy rollouts
+    ddtree train distill   --data DATA --target DIR --out DIR --device cuda --time-budget-s N
+                           rollouts (a share of the budget), then a drafter trained on them
 
 The GPU host runs another Python whose stdlib differs, so `corpus` runs here and only DATA's
 token arrays, tokenizer.json and manifest.json travel; `target`, `drafter` and `all` read only those.
@@ -64,6 +67,18 @@ def _add_drafter_shape(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=float, default=4.0)
     g.add_argument("--target-layer-ids", default=None, help="comma-separated tap layers (default: z-lab's spread)")
     g.add_argument("--init", choices=("random", "target"), default="random")
+    g.add_argument("--label", choices=("target", "data"), default="target",
+                   help="block labels: the target's argmax (self-distillation) or the data's next tokens")
+
+
+def _add_rollout_spec(p: argparse.ArgumentParser, num_default: int, batch_flag: str) -> None:
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--num", "--rollouts-num", dest="num", type=int, default=num_default,
+                   help="sequences to generate (an upper bound when a time budget applies)")
+    g.add_argument("--prompt-len-min", type=int, default=32)
+    g.add_argument("--prompt-len-max", type=int, default=1024)
+    g.add_argument("--gen-len", type=int, default=128, help="greedy tokens generated per prompt")
+    g.add_argument(batch_flag, dest="rollout_batch_size", type=int, default=256, help="prompts per engine batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +117,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True)
     _add_train_options(d, DRAFTER_DEFAULTS)
     _add_drafter_shape(d)
+
+    d.add_argument("--rollouts", default=None, help="a folder written by `ddtree train rollouts`")
+    d.add_argument("--rollout-share", type=float, default=0.8, help="share of each batch's rows taken from the rollouts")
+
+    r = sub.add_parser("rollouts", help="the target's greedy continuations of random training windows")
+    r.add_argument("--data", required=True)
+    r.add_argument("--target", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--time-budget-s", type=float, default=None, help="stop between batches and save what exists")
+    _add_rollout_spec(r, 4096, "--batch-size")
+
+    ds = sub.add_parser("distill", help="rollouts of the target, then a drafter trained on them, in one budget")
+    ds.add_argument("--data", required=True)
+    ds.add_argument("--target", required=True)
+    ds.add_argument("--out", required=True, help="writes OUT/drafter (and OUT/rollouts unless --rollouts-dir)")
+    ds.add_argument("--rollouts-dir", default=None, help="where the rollouts go (default OUT/rollouts)")
+    ds.add_argument("--rollouts-budget-share", type=float, default=0.25,
+                    help="share of --time-budget-s spent generating rollouts")
+    ds.add_argument("--rollout-share", type=float, default=0.8, help="share of each batch's rows taken from the rollouts")
+    _add_rollout_spec(ds, 1_000_000, "--rollout-batch-size")
+    _add_train_options(ds, DRAFTER_DEFAULTS)
+    _add_drafter_shape(ds)
+    ds.set_defaults(seq_len=None)  # None: prompt_len_max + gen_len, so one rollout fills a row
 
     a = sub.add_parser("all", help="train the target, then the drafter, splitting one time budget")
     a.add_argument("--data", default=None, help="corpus folder (default OUT/data; built here if it has no token arrays)")
@@ -185,6 +225,38 @@ def cmd_corpus(args: argparse.Namespace) -> None:
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
 
 
+def _rollout_spec(args: argparse.Namespace, time_budget_s: float | None) -> object:
+    from ddtree.train.rollouts import RolloutSpec
+
+    return RolloutSpec(
+        num=args.num, prompt_len_min=args.prompt_len_min, prompt_len_max=args.prompt_len_max, gen_len=args.gen_len,
+        batch_size=args.rollout_batch_size, seed=args.seed, time_budget_s=time_budget_s,
+    )
+
+
+def cmd_distill(args: argparse.Namespace, command: str) -> None:
+    from ddtree.train.drafter import train_drafter
+    from ddtree.train.rollouts import make_rollouts
+
+    if not 0.0 < args.rollouts_budget_share < 1.0:
+        raise ConfigError(f"--rollouts-budget-share: {args.rollouts_budget_share} is outside (0, 1)")
+    out = Path(args.out)
+    roll_dir = Path(args.rollouts_dir) if args.rollouts_dir else out / "rollouts"
+    budget = args.time_budget_s
+    spec = _rollout_spec(args, None if budget is None else budget * args.rollouts_budget_share)
+    start = time.perf_counter()
+    make_rollouts(args.data, args.target, roll_dir, spec, device=args.device, command=command)  # type: ignore[arg-type]
+    left = None if budget is None else budget - (time.perf_counter() - start)
+    if left is not None and left < 10:
+        raise ConfigError(f"--time-budget-s: {budget} left {left:.0f}s for the drafter; raise it or lower "
+                          "--rollouts-budget-share")
+    seq_len = args.seq_len or args.prompt_len_max + args.gen_len
+    d_opts = _train_options(args, time_budget_s=left, seq_len=seq_len)
+    train_drafter(args.data, args.target, out / "drafter", d_opts, _drafter_shape(args), command=command,  # type: ignore[arg-type]
+                  rollouts_dir=roll_dir, rollout_share=args.rollout_share, label=args.label)
+    print(f"[distill] done in {time.perf_counter() - start:.0f}s: {out / 'drafter'}", flush=True)
+
+
 def cmd_all(args: argparse.Namespace, command: str) -> None:
     from ddtree.train.drafter import train_drafter
     from ddtree.train.target import train_target
@@ -204,7 +276,8 @@ def cmd_all(args: argparse.Namespace, command: str) -> None:
     if left is not None and left < 10:
         raise ConfigError(f"--time-budget-s: {budget} left {left:.0f}s for the drafter; raise it or lower --target-share")
     d_opts = _train_options(args, time_budget_s=left, lr=args.drafter_lr)
-    train_drafter(data, out / "target", out / "drafter", d_opts, _drafter_shape(args), command=command)  # type: ignore[arg-type]
+    train_drafter(data, out / "target", out / "drafter", d_opts, _drafter_shape(args), command=command,  # type: ignore[arg-type]
+                  label=args.label)
     print(f"[all] done in {time.perf_counter() - start:.0f}s: {out / 'target'}, {out / 'drafter'}", flush=True)
 
 
@@ -232,7 +305,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "drafter":
             from ddtree.train.drafter import train_drafter
 
-            train_drafter(args.data, args.target, args.out, _train_options(args), _drafter_shape(args), command=command)  # type: ignore[arg-type]
+            train_drafter(args.data, args.target, args.out, _train_options(args), _drafter_shape(args), command=command,  # type: ignore[arg-type]
+                          rollouts_dir=args.rollouts, rollout_share=args.rollout_share, label=args.label)
+        elif args.command == "rollouts":
+            from ddtree.train.rollouts import make_rollouts
+
+            make_rollouts(args.data, args.target, args.out, _rollout_spec(args, args.time_budget_s),  # type: ignore[arg-type]
+                          device=args.device, command=command)
+        elif args.command == "distill":
+            cmd_distill(args, command)
         elif args.command == "all":
             cmd_all(args, command)
     except DDTreeError as err:

@@ -25,6 +25,8 @@ from ddtree.train.card import (
     corpus_section,
     environment,
     fmt,
+    label_description,
+    rollout_section,
     write_json,
 )
 from ddtree.train.corpus import MASK_ID, load_tokens, read_manifest
@@ -103,9 +105,24 @@ def sample_anchors(bs: int, seq_len: int, num_anchors: int, block_size: int, gen
     hi = seq_len - block_size
     if hi < 1:
         raise ConfigError(f"seq_len: {seq_len} must exceed block_size {block_size} to place an anchor")
-    a = min(num_anchors, hi)
-    scores = torch.rand(bs, hi, generator=gen)
-    return scores.topk(a, dim=1).indices.sort(dim=1).values + 1
+    return sample_anchors_between(torch.ones(bs, dtype=torch.long), torch.full((bs,), hi), seq_len, num_anchors, gen)
+
+
+def sample_anchors_between(
+    lo: torch.Tensor, hi: torch.Tensor, seq_len: int, num_anchors: int, gen: torch.Generator
+) -> torch.Tensor:
+    """anchors[bs, A] long: distinct positions in [lo[b], hi[b]] (inclusive) per row, sorted.
+
+    A = min(num_anchors, the narrowest row's range): one fixed shape per batch.
+    """
+    lo, hi = lo.cpu().long(), hi.cpu().long()
+    width = int((hi - lo + 1).min())
+    if width < 1:
+        raise ConfigError(f"anchors: a row has no valid anchor (lo {lo.tolist()}, hi {hi.tolist()})")
+    pos = torch.arange(seq_len)[None, :]
+    valid = (pos >= lo[:, None]) & (pos <= hi[:, None])  # [bs, T]
+    scores = torch.rand(lo.shape[0], seq_len, generator=gen).masked_fill(~valid, -1.0)
+    return scores.topk(min(num_anchors, width), dim=1).indices.sort(dim=1).values
 
 
 def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -121,16 +138,59 @@ def draft_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return (ce * weights).sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
 
 
+def target_labels(target_logits: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """labels[bs, A, block-1]: the target's argmax at position anchor + k - 1 for k = 1..block-1.
+
+    What the target itself would put at anchor + k given the sequence up to anchor + k - 1; the
+    drafter is judged against the target's choices, not the data's.
+    """
+    offs = torch.arange(0, block_size - 1, device=anchors.device)
+    idx = anchors[:, :, None] + offs  # [bs, A, L]
+    pred = target_logits.argmax(-1)  # [bs, T]
+    return torch.gather(pred, 1, idx.reshape(idx.shape[0], -1)).view_as(idx)
+
+
+LABEL_MODES = ("target", "data")
+
+
+@dataclass
+class DraftBatch:
+    """ids[bs, T]; anchors may sit in [lo[b], hi[b]]; own_labels[b]: the row's own tokens are the
+    labels even when labelling by the target (rollout rows are the target's greedy output already)."""
+
+    ids: torch.Tensor
+    lo: torch.Tensor | None = None  # [bs] long, None: 1
+    hi: torch.Tensor | None = None  # [bs] long, None: T - block_size
+    own_labels: torch.Tensor | None = None  # [bs] bool, None: all False
+
+
 def drafter_step(
-    drafter: Any, target: Any, ids: torch.Tensor, shape: DrafterShape, gen: torch.Generator, weights: torch.Tensor
+    drafter: Any, target: Any, batch: torch.Tensor | DraftBatch, shape: DrafterShape, gen: torch.Generator,
+    weights: torch.Tensor, label: str = "data",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch ids[bs, T] -> (loss, logits[bs, A, L, V], labels[bs, A, L])."""
+    if label not in LABEL_MODES:
+        raise ConfigError(f"label: {label!r}; allowed: {', '.join(LABEL_MODES)}")
+    b = batch if isinstance(batch, DraftBatch) else DraftBatch(batch)
+    ids = b.ids
     bs, n = ids.shape
     with torch.no_grad():
-        _, taps = target.forward_train(ids, list(drafter.config.target_layer_ids))  # [bs, T, n_taps*D]
-    anchors = sample_anchors(bs, n, shape.num_anchors, shape.block_size, gen).to(ids.device)
+        t_logits, taps = target.forward_train(ids, list(drafter.config.target_layer_ids))  # [bs, T, n_taps*D]
+    if b.lo is None and b.hi is None:
+        anchors = sample_anchors(bs, n, shape.num_anchors, shape.block_size, gen)
+    else:
+        lo = b.lo if b.lo is not None else torch.ones(bs, dtype=torch.long)
+        hi = b.hi if b.hi is not None else torch.full((bs,), n - shape.block_size)
+        anchors = sample_anchors_between(lo, hi, n, shape.num_anchors, gen)
+    anchors = anchors.to(ids.device)
     logits = drafter.forward_train(taps, ids, anchors, shape.block_size, shape.window)
     labels = block_labels(ids, anchors, shape.block_size)
+    if label == "target":
+        by_target = target_labels(t_logits, anchors, shape.block_size)
+        if b.own_labels is not None:
+            keep = b.own_labels.to(ids.device)[:, None, None]
+            by_target = torch.where(keep, labels, by_target)
+        labels = by_target
     return draft_loss(logits, labels, weights), logits, labels
 
 
@@ -138,31 +198,39 @@ def drafter_step(
 def evaluate_drafter(
     drafter: Any, target: Any, tokens: np.ndarray, opts: TrainOptions, shape: DrafterShape, device: torch.device
 ) -> dict[str, Any] | None:
-    """Held-out loss, top-1 accuracy per block position and the mean accepted run (1 + leading hits)."""
+    """Held-out loss, top-1 accuracy per block position and the mean accepted run (1 + leading hits),
+    against the data's next tokens and against the target's own argmax (teacher-forced on the data)."""
     if opts.eval_batches == 0 or tokens.size <= shape.block_size + 1:
         return None
-    sampler = BatchSampler(tokens, opts.seq_len, doc_start_prob=0.0, seed=4321)
-    gen = torch.Generator().manual_seed(4321)
-    weights = position_weights(shape.block_size, shape.gamma, device)
-    drafter.eval()
-    loss_sum, hits, runs, blocks = 0.0, torch.zeros(shape.block_size - 1), 0.0, 0
-    for _ in range(opts.eval_batches):
-        ids = sampler.sample(opts.batch_size).to(device)
-        with autocast(device):
-            loss, logits, labels = drafter_step(drafter, target, ids, shape, gen, weights)
-        ok = (logits.argmax(-1) == labels).float()  # [bs, A, L]
-        loss_sum += float(loss)
-        hits += ok.sum((0, 1)).cpu()
-        runs += float((1 + ok.cumprod(-1).sum(-1)).sum())
-        blocks += ok.shape[0] * ok.shape[1]
-    drafter.train()
-    acc = (hits / blocks).tolist()
-    return {
-        "loss": loss_sum / opts.eval_batches,
-        "accuracy_per_position": [round(a, 4) for a in acc],
-        "mean_accepted_run": runs / blocks,
-        "blocks": blocks,
-    }
+    result: dict[str, Any] = {}
+    for label in ("data", "target"):
+        sampler = BatchSampler(tokens, opts.seq_len, doc_start_prob=0.0, seed=4321)
+        gen = torch.Generator().manual_seed(4321)
+        weights = position_weights(shape.block_size, shape.gamma, device)
+        drafter.eval()
+        loss_sum, hits, runs, blocks = 0.0, torch.zeros(shape.block_size - 1), 0.0, 0
+        for _ in range(opts.eval_batches):
+            ids = sampler.sample(opts.batch_size).to(device)
+            with autocast(device):
+                loss, logits, labels = drafter_step(drafter, target, ids, shape, gen, weights, label)
+            ok = (logits.argmax(-1) == labels).float()  # [bs, A, L]
+            loss_sum += float(loss)
+            hits += ok.sum((0, 1)).cpu()
+            runs += float((1 + ok.cumprod(-1).sum(-1)).sum())
+            blocks += ok.shape[0] * ok.shape[1]
+        drafter.train()
+        acc = (hits / blocks).tolist()
+        part = {
+            "loss": loss_sum / opts.eval_batches,
+            "accuracy_per_position": [round(a, 4) for a in acc],
+            "mean_accepted_run": runs / blocks,
+            "blocks": blocks,
+        }
+        if label == "data":
+            result.update(part)
+        else:
+            result["vs_target"] = part
+    return result
 
 
 def init_from_target(drafter: Any, target: Any) -> list[int]:
@@ -187,9 +255,18 @@ def train_drafter(
     shape: DrafterShape | None = None,
     command: str = "",
     log_stream: Any = None,
+    rollouts_dir: str | Path | None = None,
+    rollout_share: float = 0.8,
+    label: str = "target",
 ) -> dict[str, Any]:
-    """Train a drafter for the target folder; save its folder; return the summary."""
+    """Train a drafter for the target folder; save its folder; return the summary.
+
+    rollouts_dir: the target's greedy rollouts (ddtree.train.rollouts); rollout_share of every
+    batch's rows are rollout sequences, the rest corpus windows. label "target": block labels are
+    the target's argmax (rollout rows: their own tokens, which are that already); "data": the data.
+    """
     from ddtree.models import init_drafter, load_target, save_drafter
+    from ddtree.train.rollouts import RolloutRows, Rollouts, read_rollouts_info
 
     data, out = Path(data_dir), Path(out_dir)
     manifest = read_manifest(data)
@@ -197,6 +274,10 @@ def train_drafter(
     device = resolve_device(opts.device)
     if opts.seq_len <= shape.block_size:
         raise ConfigError(f"seq_len: {opts.seq_len} must exceed block_size {shape.block_size}")
+    if label not in LABEL_MODES:
+        raise ConfigError(f"label: {label!r}; allowed: {', '.join(LABEL_MODES)}")
+    if not 0.0 <= rollout_share <= 1.0:
+        raise ConfigError(f"rollout_share: {rollout_share} is outside [0, 1]")
     torch.manual_seed(opts.seed)
     target = load_target(target_dir, device=device, dtype=torch.float32)
     target.requires_grad_(False)
@@ -213,17 +294,47 @@ def train_drafter(
     train_tokens = load_tokens(data, "train")
     heldout_tokens = load_tokens(data, "heldout")
     sampler = BatchSampler(train_tokens, opts.seq_len, opts.doc_start_prob, opts.seed)
+    rows, n_roll, roll_info = None, 0, None
+    if rollouts_dir is not None:
+        rollouts = Rollouts.load(rollouts_dir)
+        rows = RolloutRows(rollouts, sampler.seq_len, shape.block_size, opts.seed + 1)
+        n_roll = round(rollout_share * opts.batch_size)
+        roll_info = {
+            "dir": str(rollouts_dir), "sequences": len(rollouts), "usable": int(rows.usable.size),
+            "generated_tokens": int(rollouts.gen_lens.sum()),
+            "gen_len": int(rollouts.gen_lens.max(initial=0)),
+            "prompt_len_range": [int(rollouts.prompt_lens.min(initial=0)), int(rollouts.prompt_lens.max(initial=0))],
+            "share": rollout_share, "rows_per_batch": n_roll, "source": read_rollouts_info(rollouts_dir),
+        }
     gen = torch.Generator().manual_seed(opts.seed)
     weights = position_weights(shape.block_size, shape.gamma, device)
     step_drafter = torch.compile(drafter) if opts.compile else drafter
     progress = Progress("drafter", opts, log_stream)
     print(f"[drafter] {n_params:,} parameters, taps {list(config.target_layer_ids)}, init {shape.init}, device {device}",
           file=progress.stream, flush=True)
+    mix = ("no rollouts" if roll_info is None else
+           f"{n_roll}/{opts.batch_size} rows from {roll_info['usable']} rollout sequences")
+    print(f"[drafter] labels: {label}; {mix}", file=progress.stream, flush=True)
+
+    def next_batch() -> DraftBatch | torch.Tensor:
+        if rows is None or n_roll == 0:
+            return sampler.sample(opts.batch_size).to(device, non_blocking=True)
+        r_ids, r_lo, r_hi = rows.sample(n_roll)
+        n_c = opts.batch_size - n_roll
+        c_ids = sampler.sample(n_c)
+        t = c_ids.shape[1]
+        return DraftBatch(
+            ids=torch.cat([r_ids, c_ids]).to(device, non_blocking=True),
+            lo=torch.cat([r_lo, torch.ones(n_c, dtype=torch.long)]),
+            hi=torch.cat([r_hi, torch.full((n_c,), t - shape.block_size, dtype=torch.long)]),
+            own_labels=torch.arange(opts.batch_size) < n_roll,
+        )
 
     def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, float]]:
-        ids = sampler.sample(opts.batch_size).to(device, non_blocking=True)
+        batch = next_batch()
+        ids = batch.ids if isinstance(batch, DraftBatch) else batch
         with autocast(device):
-            loss, logits, labels = drafter_step(step_drafter, target, ids, shape, gen, weights)
+            loss, logits, labels = drafter_step(step_drafter, target, batch, shape, gen, weights, label)
         extra: dict[str, float] = {}
         if (step + 1) % opts.log_every == 0:
             extra["acc1"] = float((logits[:, :, 0].argmax(-1) == labels[:, :, 0]).float().mean())
@@ -249,6 +360,8 @@ def train_drafter(
         "options": opts.to_dict(),
         "shape": asdict(shape) | {"target_layer_ids": list(config.target_layer_ids)},
         "init_copied_target_layers": copied,
+        "label": label,
+        "rollouts": roll_info,
         "parameters": n_params,
         "steps": steps_done,
         "train_time_s": round(train_time, 1),
@@ -270,8 +383,14 @@ def _eval_lines(name: str, ev: dict[str, Any] | None) -> str:
     if ev is None:
         return f"- {name}: n/a (no data)"
     accs = ", ".join(f"k={k + 1}: {a:.3f}" for k, a in enumerate(ev["accuracy_per_position"]))
-    return (f"- {name} ({ev['blocks']} blocks): loss {ev['loss']:.4f}; top-1 accuracy per block position {accs}; "
+    line = (f"- {name} ({ev['blocks']} blocks): loss {ev['loss']:.4f}; top-1 accuracy per block position {accs}; "
             f"mean accepted run vs. the data (1 + leading hits) {ev['mean_accepted_run']:.3f}")
+    vt = ev.get("vs_target")
+    if vt:
+        accs = ", ".join(f"k={k + 1}: {a:.3f}" for k, a in enumerate(vt["accuracy_per_position"]))
+        line += (f"\n  - against the target's argmax (teacher-forced on the data): top-1 accuracy {accs}; "
+                 f"mean accepted run {vt['mean_accepted_run']:.3f}")
+    return line
 
 
 def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
@@ -279,6 +398,7 @@ def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
     init = ("random (normal 0.02)" if sh["init"] == "random"
             else f"layers copied from target layers {s['init_copied_target_layers']}")
     gamma_note = f"exp(-(k-1)/{sh['gamma']:g})"
+    label_note = label_description(s.get("label", "data"))
     return f"""# ddtree fixture DFlash drafter
 
 A block-diffusion DFlash drafter (z-lab `DFlashDraftModel` layout) for the ddtree fixture target
@@ -298,8 +418,9 @@ embedding and output head (not stored here).
 - Steps: {s['steps']} of {o['steps']} (batch {o['batch_size']} x {o['seq_len']} tokens, {sh['num_anchors']} random anchors per
   sequence at positions >= 1), {s['tokens_seen']:,} tokens, {s['train_time_s']} s on {o['device']}
   ({', '.join(f'{k} {v}' for k, v in s['environment'].items())}).
-- Loss: cross-entropy at block positions k = 1..{sh['block_size'] - 1} against token anchor + k, weighted {gamma_note};
+- Loss: cross-entropy at block positions k = 1..{sh['block_size'] - 1} against {label_note}, weighted {gamma_note};
   a block sees the frozen target's tapped hidden states at positions anchor - {sh['window']} <= p < anchor, and itself.
+{rollout_section(s.get('rollouts'), o['batch_size'])}
 - AdamW (betas 0.9/0.95, weight decay {o['weight_decay']}), lr {o['lr']}, {o['warmup_steps']} warm-up steps, cosine to
   {o['lr'] * o['min_lr_ratio']:.2g}, gradient clipping {o['grad_clip']}, bf16 autocast on CUDA; seed {o['seed']}.
 - First/last step loss {fmt(s['first_loss'])} / {fmt(s['last_loss'])}.

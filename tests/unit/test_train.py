@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree.errors import ConfigError
 from ddtree.train.card import GATE_STATEMENT
@@ -28,14 +30,19 @@ from ddtree.train.corpus import (
     stdlib_root,
 )
 from ddtree.train.drafter import (
+    DraftBatch,
     DrafterShape,
     block_labels,
     draft_loss,
+    drafter_step,
     position_weights,
     sample_anchors,
+    sample_anchors_between,
+    target_labels,
     train_drafter,
 )
 from ddtree.train.loop import BatchSampler, TrainOptions
+from ddtree.train.rollouts import RolloutRows, Rollouts, RolloutSpec, make_rollouts
 from ddtree.train.target import TargetShape, train_target
 from ddtree.train.tokenizer import (
     load_tokenizer,
@@ -276,3 +283,157 @@ def test_cli_corpus_then_target(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "[corpus]" in out and "step 3/3" in out and "eta" in out
     assert json.loads((tmp_path / "t" / "train_log.json").read_text())["command"].startswith("ddtree train target")
+
+
+# -- self-distillation: rollouts, anchors in the generated part, target labels ------------------
+
+@pytest.fixture(scope="module")
+def rollouts_dir(data_dir: Path, target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rollouts")
+    spec = RolloutSpec(num=6, prompt_len_min=4, prompt_len_max=40, gen_len=12, batch_size=4, seed=3)
+    make_rollouts(data_dir, target_dir, out, spec, command="test")
+    return out
+
+
+def test_rollouts_are_the_targets_greedy_continuations(data_dir: Path, target_dir: Path, rollouts_dir: Path) -> None:
+    from ddtree.config import SpecConfig
+    from ddtree.engine import Engine
+    from ddtree.models import load_target
+
+    r = Rollouts.load(rollouts_dir)
+    info = json.loads((rollouts_dir / "rollouts.json").read_text())
+    assert len(r) == 6 == info["sequences"] and r.tokens.dtype == np.uint16
+    assert r.gen_lens.tolist() == [12] * 6 and all(4 <= p <= 40 for p in r.prompt_lens.tolist())
+    train = np.asarray(load_tokens(data_dir, "train"))
+    target = load_target(target_dir)
+    engine = Engine(target)
+    for i in (0, 5):
+        seq = r.sequence(i).astype(np.int64)
+        p = int(r.prompt_lens[i])
+        prompt = seq[:p]
+        # the prompt is a window of the training array
+        assert any(np.array_equal(train[s : s + p], prompt) for s in np.flatnonzero(train == prompt[0]))
+        alone = engine.generate(prompt.tolist(), 12, spec=SpecConfig(algorithm="NONE"), ignore_eos=True)
+        assert alone.token_ids == seq[p:].tolist()  # type: ignore[union-attr]
+    # and independently of the engine: each generated token is the argmax given everything before it
+    seq = torch.from_numpy(r.sequence(1).astype(np.int64))[None]
+    p = int(r.prompt_lens[1])
+    with torch.no_grad():
+        logits, _ = target.forward_train(seq)
+    assert torch.equal(logits[0, p - 1 : -1].argmax(-1), seq[0, p:])
+
+
+def test_rollouts_time_budget_saves_what_exists(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
+    spec = RolloutSpec(num=10_000, prompt_len_min=4, prompt_len_max=8, gen_len=4, batch_size=2, time_budget_s=0.5)
+    summary = make_rollouts(data_dir, target_dir, tmp_path, spec)
+    assert summary["stopped_early"] and 0 < summary["sequences"] < 10_000
+    assert len(Rollouts.load(tmp_path)) == summary["sequences"]
+
+
+@pytest.mark.parametrize(("field", "kw"), [("gen_len", {"gen_len": 0}), ("prompt_len_max", {"prompt_len_max": 2}),
+                                           ("num", {"num": 0})])
+def test_rollout_spec_names_the_bad_field(field: str, kw: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RolloutSpec(prompt_len_min=4, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 20)), min_size=1, max_size=6),
+    seq_len=st.integers(9, 40),
+    block=st.integers(2, 8),
+    num_anchors=st.integers(1, 16),
+    seed=st.integers(0, 1000),
+)
+def test_rollout_anchors_keep_every_label_in_the_generated_part(
+    lens: list[tuple[int, int]], seq_len: int, block: int, num_anchors: int, seed: int
+) -> None:
+    # token = 1000 + index in its sequence for the prompt, 2000 + index for the generated part
+    prompts = [[1000 + j for j in range(p)] for p, _ in lens]
+    gens = [[2000 + p + j for j in range(g)] for p, g in lens]
+    r = Rollouts.from_lists(prompts, gens)
+    try:
+        rows = RolloutRows(r, seq_len, block, seed)
+    except ConfigError:
+        assert all(min(p + g, seq_len) - block < max(1, p - max(0, p + g - seq_len) - 1) for p, g in lens)
+        return
+    ids, lo, hi = rows.sample(5)
+    anchors = sample_anchors_between(lo, hi, seq_len, num_anchors, torch.Generator().manual_seed(seed))
+    for b in range(5):
+        row, a = ids[b].tolist(), anchors[b].tolist()
+        assert len(set(a)) == len(a) and a == sorted(a) and min(a) >= 1
+        for x in a:
+            # the anchor is the last prompt token or a generated one; every label a+1..a+block-1 is generated
+            assert row[x] >= 1000 and (row[x] >= 2000 or x + 1 < seq_len and row[x + 1] >= 2000)
+            assert all(row[x + k] >= 2000 for k in range(1, block))
+            # the row is the sequence's tail, so position x's context is that sequence's own past
+            assert row[x] - row[0] == x or row[0] >= 2000 or row[x] >= 2000
+
+
+def test_target_labels_are_argmax_at_anchor_plus_k_minus_1() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 20, 11, generator=gen)
+    anchors = torch.tensor([[1, 5, 12], [3, 4, 16]])
+    labels = target_labels(logits, anchors, 4)
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            for k in range(1, 4):
+                assert int(labels[b, i, k - 1]) == int(logits[b, a + k - 1].argmax())
+
+
+def test_drafter_step_labels_by_target_except_own_rows(target_dir: Path) -> None:
+    from ddtree.models import init_drafter, load_target
+
+    target = load_target(target_dir)
+    drafter = init_drafter(TINY_DRAFTER.config(target.config), target, seed=0)
+    ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    w = position_weights(4, 4.0, torch.device("cpu"))
+    batch = DraftBatch(ids, torch.tensor([10, 1]), torch.tensor([20, 20]), torch.tensor([True, False]))
+    with torch.no_grad():
+        _, _, labels = drafter_step(drafter, target, batch, TINY_DRAFTER, torch.Generator().manual_seed(2), w, "target")
+        _, _, data = drafter_step(drafter, target, batch, TINY_DRAFTER, torch.Generator().manual_seed(2), w, "data")
+        t_logits, _ = target.forward_train(ids)
+    anchors_row0 = labels[0, :, 0]  # row 0 keeps its own tokens
+    assert torch.equal(labels[0], data[0]) and anchors_row0.shape[0] == min(8, 11)
+    pred = t_logits.argmax(-1)
+    assert not torch.equal(labels[1], data[1])  # a random-token row: the target disagrees with the data
+    # row 1 labels are target argmaxes at anchor + k - 1: recover anchors from data labels
+    for i in range(labels.shape[1]):
+        matches = [a for a in range(1, 21) if torch.equal(ids[1, a + 1 : a + 4], data[1, i])]
+        assert any(torch.equal(pred[1, a : a + 3], labels[1, i]) for a in matches)
+    with pytest.raises(ConfigError, match="label"):
+        drafter_step(drafter, target, ids, TINY_DRAFTER, torch.Generator(), w, "teacher")
+
+
+def test_distill_cli_writes_a_loadable_drafter_with_a_card(
+    data_dir: Path, target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddtree.models import load_drafter, load_target
+
+    out = tmp_path / "distill"
+    rc = main(["distill", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out), "--num", "8",
+               "--prompt-len-min", "8", "--prompt-len-max", "40", "--gen-len", "24", "--rollout-batch-size", "4",
+               "--steps", "6", "--batch-size", "4", "--log-every", "2", "--eval-batches", "1", "--draft-layers", "1",
+               "--block-size", "4", "--window", "32", "--num-anchors", "8", "--rollout-share", "0.5"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "[rollouts] saved 8 sequences" in text and "labels: target; 2/4 rows from 8 rollout sequences" in text
+    log = json.loads((out / "drafter" / "train_log.json").read_text())
+    assert log["label"] == "target" and log["rollouts"]["sequences"] == 8 and log["rollouts"]["gen_len"] == 24
+    assert log["options"]["seq_len"] == 64 and log["steps"] == 6
+    assert "vs_target" in log["heldout"]
+    load_drafter(out / "drafter", load_target(target_dir))
+    card = (out / "drafter" / "README.md").read_text()
+    assert "greedy" in card and "8 sequences" in card and "24 generated tokens each" in card
+    assert "the target's own argmax" in card and "share 0.5" in card
+
+
+def test_drafter_with_data_labels_and_no_rollouts_keeps_the_old_card(data_dir: Path, target_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    summary = train_drafter(data_dir, target_dir, tmp_path / "d", tiny_opts(steps=2, eval_batches=1), TINY_DRAFTER,
+                            label="data")
+    assert summary["label"] == "data" and summary["rollouts"] is None
+    card = (tmp_path / "d" / "README.md").read_text()
+    assert "the data's token anchor + k" in card and "corpus windows only" in card
+    with pytest.raises(ConfigError, match="rollout_share"):
+        train_drafter(data_dir, target_dir, tmp_path / "e", tiny_opts(steps=1), TINY_DRAFTER, rollout_share=1.5)

@@ -1,0 +1,241 @@
+"""Self-distillation data for the drafter: the target's own greedy continuations of corpus windows.
+
+Speculative acceptance is measured against the target's greedy output, not against the data; a
+tiny overfit target's greedy text differs a lot from the data, so a drafter trained on the data's
+next tokens learns the wrong thing. Rollouts record what the target actually says.
+
+Layout of a rollouts folder:
+
+    rollouts.npz   tokens (uint16, flat), offsets (int64 [n+1]), prompt_lens, gen_lens (int32 [n]):
+                   sequence i is tokens[offsets[i]:offsets[i+1]] = prompt + generated
+    rollouts.json  counts, lengths, command, timings
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from ddtree.errors import ConfigError
+from ddtree.train.card import environment, write_json
+from ddtree.train.corpus import load_tokens, read_manifest
+
+ROLLOUTS_NPZ = "rollouts.npz"
+ROLLOUTS_JSON = "rollouts.json"
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """How many windows, how long their prompts and continuations, how many per engine batch."""
+
+    num: int = 4096
+    prompt_len_min: int = 32
+    prompt_len_max: int = 1024
+    gen_len: int = 128
+    batch_size: int = 256
+    seed: int = 0
+    time_budget_s: float | None = None  # stop between batches and save what exists
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, float, float, float]] = [
+            ("num", self.num, 1, 10**8),
+            ("prompt_len_min", self.prompt_len_min, 1, 1 << 20),
+            ("prompt_len_max", self.prompt_len_max, self.prompt_len_min, 1 << 20),
+            ("gen_len", self.gen_len, 1, 1 << 20),
+            ("batch_size", self.batch_size, 1, 1 << 16),
+        ]
+        for name, value, lo, hi in checks:
+            if not lo <= value <= hi:
+                raise ConfigError(f"{name}: {value} is outside [{lo}, {hi}]")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ConfigError(f"time_budget_s: {self.time_budget_s} must be > 0 (or unset)")
+
+
+@dataclass
+class Rollouts:
+    """Prompt + generated token sequences, stored flat."""
+
+    tokens: np.ndarray  # [sum of lengths] uint16
+    offsets: np.ndarray  # [n + 1] int64
+    prompt_lens: np.ndarray  # [n] int32
+    gen_lens: np.ndarray  # [n] int32
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.size)
+
+    def sequence(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], gens: list[list[int]]) -> Rollouts:
+        seqs = [p + g for p, g in zip(prompts, gens)]
+        lens = np.array([len(s) for s in seqs], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        flat = np.fromiter((t for s in seqs for t in s), dtype=np.uint16, count=int(lens.sum()))
+        return cls(flat, offsets, np.array([len(p) for p in prompts], dtype=np.int32),
+                   np.array([len(g) for g in gens], dtype=np.int32))
+
+    def save(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / (ROLLOUTS_NPZ + ".tmp.npz")
+        np.savez(tmp, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens, gen_lens=self.gen_lens)
+        tmp.replace(out_dir / ROLLOUTS_NPZ)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Rollouts:
+        path = Path(folder) / ROLLOUTS_NPZ
+        if not path.exists():
+            raise ConfigError(f"rollouts: {path} does not exist (run `ddtree train rollouts` first)")
+        with np.load(path) as z:
+            r = cls(z["tokens"], z["offsets"], z["prompt_lens"], z["gen_lens"])
+        if r.offsets.size != len(r) + 1 or int(r.offsets[-1]) != r.tokens.size:
+            raise ConfigError(f"rollouts: {path} is inconsistent (offsets do not cover the token array)")
+        return r
+
+
+def sample_windows(n_tokens: int, spec: RolloutSpec, count: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(start, length) of `count` prompt windows: length uniform in [min, max], start uniform."""
+    hi = min(spec.prompt_len_max, n_tokens)
+    if hi < spec.prompt_len_min:
+        raise ConfigError(f"prompt_len_min: {spec.prompt_len_min} exceeds the {n_tokens} tokens of the data")
+    lens = rng.integers(spec.prompt_len_min, hi + 1, size=count)
+    starts = rng.integers(0, n_tokens - lens + 1)
+    return list(zip(starts.tolist(), lens.tolist()))
+
+
+def generate_rollouts(
+    target: Any, tokens: np.ndarray, spec: RolloutSpec, stream: TextIO | None = None
+) -> tuple[Rollouts, dict[str, Any]]:
+    """Greedy (T=0, EOS ignored) continuations by `target` of spec.num random windows of `tokens`."""
+    from ddtree.config import SpecConfig
+    from ddtree.engine import Engine
+
+    engine = Engine(target)
+    ar = SpecConfig(algorithm="NONE")
+    rng = np.random.default_rng(spec.seed)
+    windows = sample_windows(int(tokens.size), spec, spec.num, rng)
+    prompts: list[list[int]] = []
+    gens: list[list[int]] = []
+    t0 = time.perf_counter()
+    last_batch_s = 0.0
+    stopped_early = False
+    for b in range(0, spec.num, spec.batch_size):
+        elapsed = time.perf_counter() - t0
+        # a batch that would not finish inside the budget is not started
+        if spec.time_budget_s is not None and elapsed + last_batch_s > spec.time_budget_s:
+            stopped_early = True
+            print(f"[rollouts] time budget: stopping after {len(prompts)} of {spec.num} sequences", file=stream, flush=True)
+            break
+        tb = time.perf_counter()
+        batch = [np.asarray(tokens[s : s + n], dtype=np.int64).tolist() for s, n in windows[b : b + spec.batch_size]]
+        results = engine.generate(batch, spec.gen_len, temperature=0.0, spec=ar, ignore_eos=True)
+        prompts.extend(batch)
+        gens.extend(r.token_ids for r in results)  # type: ignore[union-attr]
+        last_batch_s = time.perf_counter() - tb
+        done = len(prompts)
+        gen_tps = len(batch) * spec.gen_len / max(last_batch_s, 1e-9)
+        print(f"[rollouts] {done}/{spec.num} sequences, {gen_tps:,.0f} generated tok/s, "
+              f"elapsed {time.perf_counter() - t0:.0f}s", file=stream, flush=True)
+    rollouts = Rollouts.from_lists(prompts, gens)
+    info = {
+        "sequences": len(rollouts),
+        "requested": spec.num,
+        "stopped_early": stopped_early,
+        "generated_tokens": int(rollouts.gen_lens.sum()),
+        "prompt_tokens": int(rollouts.prompt_lens.sum()),
+        "time_s": round(time.perf_counter() - t0, 1),
+    }
+    return rollouts, info
+
+
+def make_rollouts(
+    data_dir: str | Path,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    spec: RolloutSpec,
+    device: str = "cpu",
+    command: str = "",
+    stream: TextIO | None = None,
+) -> dict[str, Any]:
+    """Load the target (the dtype the engine would serve it in), roll out, save the folder; return the summary."""
+    from ddtree.models import load_target
+    from ddtree.train.loop import resolve_device
+
+    data, out = Path(data_dir), Path(out_dir)
+    manifest = read_manifest(data)
+    dev = resolve_device(device)
+    torch.manual_seed(spec.seed)
+    target = load_target(target_dir, device=dev)  # dtype as served: config's on CUDA, float32 on the CPU
+    target.requires_grad_(False)
+    if target.config.vocab_size != manifest.get("vocab_size"):
+        raise ConfigError(
+            f"target: vocab_size {target.config.vocab_size} != the corpus tokenizer's {manifest.get('vocab_size')}"
+        )
+    tokens = load_tokens(data, "train")
+    print(f"[rollouts] target {target_dir} ({target.dtype}) on {dev}; {spec.num} windows of "
+          f"{spec.prompt_len_min}..{spec.prompt_len_max} tokens + {spec.gen_len} generated", file=stream, flush=True)
+    rollouts, info = generate_rollouts(target, tokens, spec, stream)
+    if len(rollouts) == 0:
+        raise ConfigError(f"time_budget_s: {spec.time_budget_s} left no time for one batch of {spec.batch_size}")
+    rollouts.save(out)
+    summary = {
+        "kind": "rollouts",
+        "command": command,
+        "target": str(target_dir),
+        "data": str(data_dir),
+        "device": str(dev),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "spec": asdict(spec),
+        **info,
+        "environment": environment(),
+    }
+    write_json(out / ROLLOUTS_JSON, summary)
+    print(f"[rollouts] saved {info['sequences']} sequences ({info['generated_tokens']:,} generated tokens) "
+          f"in {info['time_s']}s -> {out}", file=stream, flush=True)
+    return summary
+
+
+def read_rollouts_info(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / ROLLOUTS_JSON
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+class RolloutRows:
+    """Rollout sequences as fixed-length training rows: one sequence per row, right-padded with EOT.
+
+    A sequence longer than seq_len keeps its last seq_len tokens (the generated part survives).
+    Valid anchors lie where the whole block's labels are generated tokens: anchor >= prompt_len - 1
+    (the last prompt token or a generated one) and anchor + block - 1 < the sequence's end.
+    """
+
+    def __init__(self, rollouts: Rollouts, seq_len: int, block_size: int, seed: int) -> None:
+        self.rollouts, self.seq_len, self.block_size = rollouts, seq_len, block_size
+        self.rng = np.random.default_rng(seed)
+        lens = np.minimum(np.diff(rollouts.offsets), seq_len)
+        cut = np.diff(rollouts.offsets) - lens
+        self.lens = lens
+        self.lo = np.maximum(1, rollouts.prompt_lens.astype(np.int64) - cut - 1)
+        self.hi = lens - block_size
+        self.usable = np.flatnonzero(self.hi >= self.lo)
+        if self.usable.size == 0:
+            raise ConfigError(
+                f"rollouts: no sequence has a generated part of >= block_size - 1 = {block_size - 1} tokens "
+                f"inside seq_len {seq_len} (gen_len {int(rollouts.gen_lens.max(initial=0))})"
+            )
+
+    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids[n, seq_len] long, lo[n], hi[n]): rows and their inclusive anchor ranges (CPU)."""
+        from ddtree.train.corpus import EOT_ID
+
+        picks = self.usable[self.rng.integers(0, self.usable.size, size=n)]
+        ids = np.full((n, self.seq_len), EOT_ID, dtype=np.int64)
+        for row, i in enumerate(picks):
+            seq = self.rollouts.sequence(int(i))
+            ids[row, : self.lens[i]] = seq[seq.size - self.lens[i] :]
+        return torch.from_numpy(ids), torch.from_numpy(self.lo[picks]), torch.from_numpy(self.hi[picks])
