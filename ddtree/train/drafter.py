@@ -303,7 +303,7 @@ def train_drafter(
             "dir": str(rollouts_dir), "sequences": len(rollouts), "usable": int(rows.usable.size),
             "generated_tokens": int(rollouts.gen_lens.sum()),
             "gen_len": int(rollouts.gen_lens.max(initial=0)),
-            "prompt_len_range": [int(rollouts.prompt_lens.min(initial=0)), int(rollouts.prompt_lens.max(initial=0))],
+            "prompt_len_range": [int(rollouts.prompt_lens.min()), int(rollouts.prompt_lens.max())] if len(rollouts) else [0, 0],
             "share": rollout_share, "rows_per_batch": n_roll, "source": read_rollouts_info(rollouts_dir),
         }
     gen = torch.Generator().manual_seed(opts.seed)
@@ -415,7 +415,7 @@ embedding and output head (not stored here).
 ## Training
 
 - Command: `{s['command'] or '(API call)'}`
-- Steps: {s['steps']} of {o['steps']} (batch {o['batch_size']} x {o['seq_len']} tokens, {sh['num_anchors']} random anchors per
+- Steps: {s['steps']} of {o['steps']} (batch {o['batch_size']} x {o['seq_len']} tokens, up to {sh['num_anchors']} random anchors per
   sequence at positions >= 1), {s['tokens_seen']:,} tokens, {s['train_time_s']} s on {o['device']}
   ({', '.join(f'{k} {v}' for k, v in s['environment'].items())}).
 - Loss: cross-entropy at block positions k = 1..{sh['block_size'] - 1} against {label_note}, weighted {gamma_note};
@@ -430,8 +430,9 @@ embedding and output head (not stored here).
 {_eval_lines('Held-out stdlib files', s['heldout'])}
 {_eval_lines('Training data', s['train_eval'])}
 
-Accuracy here is against the data's next tokens; speculative acceptance is measured against the
-target's own choices by the suite (tests/quality).
+Accuracy is against the data's next tokens, and against the target's argmax with the data as the
+prefix (exact for k = 1, an approximation deeper in the block); speculative acceptance, measured by
+the suite (tests/quality) and `ddtree.bench.acceptance`, is against the target's own greedy choices.
 
 ## Intended use
 

@@ -426,6 +426,8 @@ def test_distill_cli_writes_a_loadable_drafter_with_a_card(
     card = (out / "drafter" / "README.md").read_text()
     assert "greedy" in card and "8 sequences" in card and "24 generated tokens each" in card
     assert "the target's own argmax" in card and "share 0.5" in card
+    lo, hi = log["rollouts"]["prompt_len_range"]
+    assert 8 <= lo <= hi <= 40 and f"prompts of {lo}..{hi} tokens" in card
 
 
 def test_drafter_with_data_labels_and_no_rollouts_keeps_the_old_card(data_dir: Path, target_dir: Path,
