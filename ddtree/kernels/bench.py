@@ -34,7 +34,11 @@ import torch
 
 from ddtree.kernels.bitmask import ancestor_mask, pack_mask, unpack_bitmask
 from ddtree.kernels.kv_compact import compact_kv_reference, compact_kv_triton
-from ddtree.kernels.tree_attention import choose_splits, tree_attention_triton
+from ddtree.kernels.tree_attention import (
+    choose_splits,
+    row_block,
+    tree_attention_triton,
+)
 
 SCHEMA = "ddtree.kernels.bench/1"
 
@@ -115,8 +119,9 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
                 # minimum traffic: K and V of prefix + tree once per kv head, q in, out out
                 nbytes = elt * (2 * bs * args.kv_heads * (prefix + n) * args.head_dim
                                 + 2 * bs * args.q_heads * n * args.head_dim)
-                hkv_rows = args.q_heads // args.kv_heads * n
-                base["splits"] = choose_splits(bs * args.kv_heads * -(-hkv_rows // 64), prefix, x["q"].device)
+                n_rows = args.q_heads // args.kv_heads * n  # query rows per kv head
+                blocks = -(-n_rows // row_block(n_rows))
+                base["splits"] = choose_splits(bs * args.kv_heads * blocks, prefix, x["q"].device)
                 paths: dict[str, Callable[[], torch.Tensor]] = {
                     "triton": lambda x=x: tree_attention_triton(x["q"], x["k_cache"], x["v_cache"], x["lens"],
                                                                 None, None, x["bitmask"], x["scale"]),

@@ -14,6 +14,7 @@ so short grids still fill the GPU. Nothing here syncs with the host; shapes are 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -291,10 +292,17 @@ if triton is not None:
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # interpreter: any small number exercises the split path
+
+
+def row_block(n_rows: int) -> int:
+    """Query rows per program: all of a kv head's rows in one block where possible (each extra row block
+    re-reads the prefix), capped at 128 so the fp32 accumulator fits in registers."""
+    return max(16, min(128, 1 << max(n_rows - 1, 0).bit_length()))
 
 
 def choose_splits(programs: int, max_prefix: int, device: torch.device) -> int:
@@ -343,7 +351,7 @@ def tree_attention_triton(
         raise ValueError(f"tree_attention: out must be {(bs, hq, n, d)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
 
     n_rows = group * n
-    block_m = max(16, min(64, triton.next_power_of_2(n_rows)))
+    block_m = row_block(n_rows)
     block_t = max(16, min(_TREE_TILE, triton.next_power_of_2(n)))
     block_d = max(16, triton.next_power_of_2(d))
     row_blocks = triton.cdiv(n_rows, block_m)
