@@ -58,6 +58,9 @@ def heldout_prompts(target_dir: Path, count: int, context: int) -> list[list[int
 
 def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
             batch: int) -> dict:
+    engine.generate(prompts[0], 4, spec=spec, ignore_eos=True)  # warm-up, left out of the timing
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = []
     for i in range(0, len(prompts), batch):
