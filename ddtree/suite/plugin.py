@@ -2,12 +2,14 @@
 
 Loaded by the root conftest (or `-p ddtree.suite.plugin`). It owns the options, the report
 header, cell parametrization, the order of collected items (each server config deployed once),
-opt-in selection of perf/quality items, xdist wiring and the end-of-run summary. The fixtures
+opt-in selection of perf items, xdist wiring and the end-of-run summary. The fixtures
 (`service`, `deployed`, ...) live in ddtree.suite.fixtures.
 
-Selection: perf and quality items need a running service and minutes per config, so a bare
-`pytest` deselects them (and says so). They are selected when `-m` mentions the marker, when
---config-grid is given, or when a path or node id inside their directory is named.
+Selection: perf items are measurements (minutes per config, numbers that depend on the machine),
+so a bare `pytest` deselects them (and says so); they are selected when `-m` mentions perf, when
+--config-grid is given, or when a path or node id inside their directory is named. Quality items
+(the lossless check and the coding gate on the smoke grid) run in a bare `pytest` against the
+embedded service: they are correctness, and take well under a minute with the fixture models.
 
 Order: items without a config first, unchanged; then config items grouped by config in deploy
 order (NONE baseline, then the default, then the grid file's order), within a config by test
@@ -35,10 +37,10 @@ from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_options
 
 pytest_plugins = ["ddtree.suite.fixtures"]
 
-OPT_IN_MARKERS = ("perf", "quality")
+OPT_IN_MARKERS = ("perf",)
 SUMMARY_TITLE = "ddtree sweep"
-OPT_IN_NOTE = ("deselected {n} perf/quality items: they need a service; select them with -m perf, "
-               "-m quality, --config-grid NAME or by naming their folder")
+OPT_IN_NOTE = ("deselected {n} perf items: measurements are opt-in; select them with -m perf, "
+               "--config-grid NAME or by naming their folder")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
