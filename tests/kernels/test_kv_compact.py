@@ -94,14 +94,15 @@ def accepted_paths(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torc
 
 def make_inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(case.seed)
+    big = torch.Generator(device=device).manual_seed(case.seed)  # full-size caches are drawn on the device
     max_len = case.prefix + case.n + 3
     shape = (case.layers, case.bs, case.hkv, max_len, case.d)
-    k, v = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    k = torch.randn(*shape, generator=big, device=device, dtype=case.dtype)
+    v = torch.randn(*shape, generator=big, device=device, dtype=case.dtype)
     lengths = torch.randint(0, case.prefix + 1, (case.bs,), generator=gen)
     lengths[0] = case.prefix
     src, counts = accepted_paths(case, gen)
-    return (k.to(device, case.dtype), v.to(device, case.dtype), lengths.to(device), src.to(device),
-            counts.to(device))
+    return k, v, lengths.to(device), src.to(device), counts.to(device)
 
 
 def naive_compact(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor,
