@@ -67,6 +67,7 @@ def _add_drafter_shape(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=float, default=4.0)
     g.add_argument("--target-layer-ids", default=None, help="comma-separated tap layers (default: z-lab's spread)")
     g.add_argument("--init", choices=("random", "target"), default="random")
+    g.add_argument("--init-from", default=None, help="start from this drafter folder (fine-tuning)")
     g.add_argument("--label", choices=("target", "data"), default="target",
                    help="block labels: the target's argmax (self-distillation) or the data's next tokens")
 
@@ -189,6 +190,7 @@ def _drafter_shape(args: argparse.Namespace) -> object:
     return DrafterShape(
         num_hidden_layers=args.draft_layers, block_size=args.block_size, window=args.window,
         num_anchors=args.num_anchors, gamma=args.gamma, target_layer_ids=ids, init=args.init,
+        init_from=args.init_from,
     )
 
 

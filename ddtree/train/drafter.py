@@ -53,6 +53,7 @@ class DrafterShape:
     intermediate_size: int | None = None  # None: the target's
     target_layer_ids: tuple[int, ...] | None = None  # None: z-lab's spread over the target's layers
     init: str = "random"  # "random" | "target" (copy the target's last layers)
+    init_from: str | None = None  # a drafter folder to start from (fine-tuning); shapes must match
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1:
@@ -265,7 +266,7 @@ def train_drafter(
     batch's rows are rollout sequences, the rest corpus windows. label "target": block labels are
     the target's argmax (rollout rows: their own tokens, which are that already); "data": the data.
     """
-    from ddtree.models import init_drafter, load_target, save_drafter
+    from ddtree.models import load_drafter, init_drafter, load_target, save_drafter
     from ddtree.train.rollouts import RolloutRows, Rollouts, read_rollouts_info
 
     data, out = Path(data_dir), Path(out_dir)
@@ -288,6 +289,11 @@ def train_drafter(
     config = shape.config(target.config)
     drafter = init_drafter(config, target, seed=opts.seed).to(torch.float32)
     copied = init_from_target(drafter, target) if shape.init == "target" else []
+    if shape.init_from is not None:
+        start = load_drafter(shape.init_from, target, device=device, dtype=torch.float32)
+        if start.config != config:
+            raise ConfigError(f"init_from: {shape.init_from} has another shape than the drafter being trained")
+        drafter.load_state_dict(start.state_dict())
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     optimizer = make_optimizer(list(drafter.named_parameters()), opts, device)
@@ -321,8 +327,8 @@ def train_drafter(
             return sampler.sample(opts.batch_size).to(device, non_blocking=True)
         r_ids, r_lo, r_hi = rows.sample(n_roll)
         n_c = opts.batch_size - n_roll
-        c_ids = sampler.sample(n_c)
-        t = c_ids.shape[1]
+        t = r_ids.shape[1]
+        c_ids = sampler.sample(n_c) if n_c else torch.empty(0, t, dtype=r_ids.dtype)
         return DraftBatch(
             ids=torch.cat([r_ids, c_ids]).to(device, non_blocking=True),
             lo=torch.cat([r_lo, torch.ones(n_c, dtype=torch.long)]),
