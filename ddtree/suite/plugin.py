@@ -154,6 +154,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     restore = _merged_restore(state, options.grid.default.id) or {}
     restore = {**restore, "deploys": len(state.deploys), "deploy_order": state.deploys}  # kept in restore.json
     write_sweep_summary(results, options.grid.default.id, restore)
+    if any((results / "cells").glob("*.json")):
+        from ddtree.bench.plots import write_plots  # matplotlib only when there is something to plot
+
+        write_plots(results)
     if options.update_floors and state.floor_updates:
         write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})
 

@@ -71,6 +71,9 @@ def test_each_config_is_deployed_once_and_the_default_restored(suite_dir: pytest
     assert restore["ok"] is True and restore["config_id"] == "b8-k4-w2048-bs8"
     assert (restore["deploys"], restore["deploy_order"]) == (2, ["ar", "b4-k4-w2048-bs8"])
     assert "Restore: default b8-k4-w2048-bs8 **verified**" in (suite_dir.path / "results/sweep_summary.md").read_text()
+    plots = sorted(p.name for p in (suite_dir.path / "results" / "plots").iterdir())
+    assert plots == ["budget_ctx8.png", "latency_ctx8.png"]
+    assert all((suite_dir.path / "results" / "plots" / p).stat().st_size > 1000 for p in plots)
 
 
 def test_collect_only_lists_cell_ids_grouped_by_config(suite_dir: pytest.Pytester) -> None:
