@@ -316,7 +316,7 @@ def train_drafter(
     weights = position_weights(shape.block_size, shape.gamma, device)
     step_drafter = torch.compile(drafter) if opts.compile else drafter
     progress = Progress("drafter", opts, log_stream)
-    print(f"[drafter] {n_params:,} parameters, taps {list(config.target_layer_ids)}, init {shape.init}, device {device}",
+    print(f"[drafter] {n_params:,} parameters, taps {list(config.target_layer_ids)}, init {shape.init_from or shape.init}, device {device}",
           file=progress.stream, flush=True)
     mix = ("no rollouts" if roll_info is None else
            f"{n_roll}/{opts.batch_size} rows from {roll_info['usable']} rollout sequences")
@@ -403,12 +403,17 @@ def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
     o, sh = s["options"], s["shape"]
     init = ("random (normal 0.02)" if sh["init"] == "random"
             else f"layers copied from target layers {s['init_copied_target_layers']}")
+    # a fine-tune must not read as trained from scratch
+    origin = "trained from scratch"
+    if sh.get("init_from"):
+        init = f"the weights of the drafter in `{sh['init_from']}` (fine-tuned from there; see its own card)"
+        origin = f"fine-tuned from the drafter in `{sh['init_from']}`"
     gamma_note = f"exp(-(k-1)/{sh['gamma']:g})"
     label_note = label_description(s.get("label", "data"))
     return f"""# ddtree fixture DFlash drafter
 
 A block-diffusion DFlash drafter (z-lab `DFlashDraftModel` layout) for the ddtree fixture target
-(`{s['target']}`), trained from scratch for the ddtree test suite. It shares the target's
+(`{s['target']}`), {origin} for the ddtree test suite. It shares the target's
 embedding and output head (not stored here).
 
 - {sh['num_hidden_layers']} Qwen3-style layers, hidden = the target's, {s['parameters']:,} parameters, bfloat16;

@@ -260,6 +260,18 @@ def test_drafter_init_from_target_copies_the_last_layers(data_dir: Path, target_
     assert load_target(target_dir).config.num_hidden_layers == 6
 
 
+def test_drafter_card_says_fine_tuned_when_started_from_a_drafter(data_dir: Path, target_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
+    assert "trained from scratch" in (tmp_path / "a" / "README.md").read_text()
+    shape = replace(TINY_DRAFTER, init_from=str(tmp_path / "a"))
+    train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0), shape)
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "trained from scratch" not in card and f"fine-tuned from the drafter in `{tmp_path / 'a'}`" in card
+
+
 def test_time_budget_stops_early_and_still_saves(data_dir: Path, tmp_path: Path) -> None:
     opts = tiny_opts(steps=1_000_000, time_budget_s=1.0, eval_batches=1)
     summary = train_target(data_dir, tmp_path / "t", opts, TINY_TARGET)
