@@ -258,6 +258,8 @@ class DecodeBatch:
         # 5. walk
         t.start("walk")
         accepted, accept_lens, new_bonus = follow_trees(trees, target_tokens)
+        # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
+        accepted = accepted[:, : min(accepted.shape[1], spec.budget + 1)]
         # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
         t.start("compact")
         src, _contiguous = compaction_indices(accepted, accept_lens)

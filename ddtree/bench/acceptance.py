@@ -22,11 +22,10 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import Engine
 from ddtree.text import load_tokenizer
 
-DEFAULT_CONFIGS = [
-    "dflash-w2048-bs8",
-    "b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b12-k6-w2048-bs8", "b16-k4-w2048-bs8",
-    "b4-k4-wnone-bs8", "b8-k4-wnone-bs8", "b12-k6-wnone-bs8", "b16-k4-wnone-bs8",
-    "dflash-w2048-bs16", "b8-k4-w2048-bs16", "b16-k4-w2048-bs16",
+# The fixture model card's table: the DFlash chain, and DDTREE at (budget, topk) = (4,4), (8,4), (12,6),
+# (16,4), each with window 2048 and none, at the trained block 8 and with the drafter run at block 16.
+DEFAULT_CONFIGS = [f"dflash-w{w}-bs{bs}" for bs in (8, 16) for w in (2048, "none")] + [
+    f"b{b}-k{k}-w{w}-bs{bs}" for bs in (8, 16) for w in (2048, "none") for b, k in ((4, 4), (8, 4), (12, 6), (16, 4))
 ]
 
 

@@ -56,6 +56,8 @@ SPECS = [
     pytest.param(SpecConfig(budget=32, topk=8, block_size=16, draft_window=16), id="b32-k8-w16-bs16"),
     pytest.param(SpecConfig(budget=12, topk=6, block_size=8, draft_window=8), id="b12-k6-w8-bs8"),
     pytest.param(SpecConfig(budget=5, topk=2, block_size=5, draft_window=None), id="b5-k2-wnone-bs5"),
+    # fewer nodes than the block is deep: the verify window (budget + 1) is narrower than a full path
+    pytest.param(SpecConfig(budget=2, topk=2, block_size=8, draft_window=None), id="b2-k2-wnone-bs8"),
 ]
 AR = SpecConfig(algorithm=Algorithm.NONE)
 
@@ -73,6 +75,22 @@ def test_speculative_output_equals_ar(engine: Engine, spec: SpecConfig, temperat
         # completion = the prefill's token + every round's accepted length (cut at max_new_tokens)
         assert 1 + sum(o.accept_lengths) >= len(o.token_ids)
         assert o.verify_steps == len(o.accept_lengths) > 0
+
+
+def test_budget_below_depth_fits_a_tight_cache(engine: Engine) -> None:
+    """A cache sized exactly for prompt + max_new_tokens + budget + 1 is enough, even when budget < depth."""
+    spec = SpecConfig(budget=3, topk=3, block_size=8, draft_window=None)
+    prompt = prompts(1, seed=9)[0]
+    ref = engine.generate(prompt, 40, spec=AR).token_ids
+    batch = engine.open_batch(spec, max_batch=1, max_len=len(prompt) + 40 + spec.max_nodes)
+    got: list[int] = []
+    outs = batch.add(Request("0", prompt, 40))
+    while True:
+        got += [t for o in outs for t in o.new_token_ids]
+        if any(o.finished for o in outs):
+            break
+        outs = batch.step()
+    assert got == ref
 
 
 def test_batched_equals_alone(engine: Engine) -> None:
