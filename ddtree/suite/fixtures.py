@@ -78,9 +78,10 @@ def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
             url = host if host.startswith("http") else f"http://{host}:{url.rsplit(':', 1)[-1].strip('/')}"
         return UrlBackend(url)
     if options.service == "systemd":
-        from ddtree.service.systemd import SystemdBackend  # type: ignore[import-not-found]
+        from ddtree.service.systemd import SystemdBackend
 
-        return SystemdBackend(host or options.ssh_host, options.systemd_unit)
+        # base_url None: the backend derives it from the unit's --host/--port and the ssh host
+        return SystemdBackend(host or options.ssh_host, options.systemd_unit, base_url=options.service_url)
     require_models(options)
     if options.service == "sglang":
         from ddtree.service.sglang import SGLangBackend
