@@ -47,15 +47,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+def _choose_loadgroup(config: pytest.Config) -> None:
+    """With `-n N` and no explicit --dist, cells of one config must share a worker: --dist loadgroup.
+
+    Done both before and after xdist's own pytest_cmdline_main (which turns -n into --dist load),
+    since the order of tryfirst hooks differs between pytest releases; xdist reads the value only
+    when its session starts, in its trylast pytest_configure.
+    """
+    if not getattr(config.option, "numprocesses", None) or getattr(config, "workerinput", None):
+        return
+    args = config.invocation_params.args
+    if any(a in ("--dist", "-d") or a.startswith("--dist=") for a in args):
+        return  # the user chose a distribution mode
+    config.option.dist = "loadgroup"
+    config.option.loadgroup = True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    # Before xdist turns `-n N` into `--dist load`: cells of one config must share a worker.
-    numprocesses = getattr(config.option, "numprocesses", None)
-    if numprocesses and getattr(config.option, "dist", "no") == "no":
-        config.option.dist = "loadgroup"
+    _choose_loadgroup(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _choose_loadgroup(config)
     config.addinivalue_line("markers", "xdist_group(name): cells of one server config share a worker")
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     results_dir = Path(workerinput["ddtree_results_dir"]) if workerinput and "ddtree_results_dir" in workerinput else None
