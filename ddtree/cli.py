@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="run the server: ddtree serve --model-path DIR ... (flags of ddtree.server)")
     sub.add_parser("train", help="train the fixture models (flags of ddtree.train.cli)")
-    report = sub.add_parser("sweep-report", help="write the sweep summary for a results folder")
-    report.add_argument("results_dir", metavar="RESULTS_DIR")
+    # sweep-report, like serve and train, passes its arguments to its own parser (main() above)
+    sub.add_parser("sweep-report", help="rebuild summary, CSV and plots of a results folder")
     service = sub.add_parser("service", help="reconfigure, verify or restore a serving config")
     actions = service.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in (("reconfigure", "deploy a config (restart), wait until ready, verify it"),
@@ -200,10 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _lazy_main("ddtree.server", "`ddtree serve`", argv[1:])
     if argv[:1] == ["train"]:
         return _lazy_main("ddtree.train.cli", "`ddtree train`", argv[1:])
+    if argv[:1] == ["sweep-report"]:
+        return _lazy_main("ddtree.bench.report", "`ddtree sweep-report`", argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "sweep-report":
-        return _lazy_main("ddtree.bench.report", "`ddtree sweep-report`", [args.results_dir])
     return _service(args, args.action_parser)
 
 
