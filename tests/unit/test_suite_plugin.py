@@ -145,6 +145,40 @@ def test_a_dying_service_is_reported_at_once_with_its_log_tail(suite_dir: pytest
     assert elapsed < 30, f"a dead service took {elapsed:.1f} s to report (startup timeout was 120 s)"
 
 
+KILL_MID_SWEEP = '''
+import os
+import signal
+import time
+
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if item.name == "test_sweep[ar-ctx8-c1]":  # the service dies under this cell, after its deploy
+        pid = item.funcargs["deployed"].backend.pid
+        os.kill(pid, signal.SIGKILL)
+        while item.funcargs["deployed"].backend.is_alive()[0]:
+            time.sleep(0.05)
+    return (yield)
+'''
+
+
+def test_killing_the_service_mid_sweep_fails_those_cells_and_restores_the_default(
+        suite_dir: pytest.Pytester) -> None:
+    (suite_dir.path / "tests/perf/conftest.py").write_text(KILL_MID_SWEEP)
+    result = run(suite_dir, "-m", "perf")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines([  # in output order: the redeploy is logged live, failures at the end
+        "*service running ar is down*redeploying*",
+        "*ar-ctx8-c1: 2/2 requests failed in repeat 1*connection*",
+        "deploys: 3 (ar, ar, b4-k4-w2048-bs8)",
+        "restore: default b8-k4-w2048-bs8 restored and verified*",
+    ])
+    cells = sorted(p.name for p in (suite_dir.path / "results" / "cells").iterdir())
+    assert "ar__ctx8__c1.json" not in cells and len(cells) == 3  # a failed cell is an error, not a number
+
+
 INTERRUPTIBLE = '''
 import time
 import pytest
