@@ -34,6 +34,9 @@ class DecodeBatchLike(Protocol):
 
     def add(self, request: Request) -> list[StepOutput] | None: ...  # the first token(s)
 
+    # Optional (the scheduler looks them up): add_many(requests) -> list[StepOutput] prefills several
+    # at once; validate(request) raises the RequestError add would, without a forward.
+
     def step(self) -> list[StepOutput]: ...
 
     def cancel(self, request_id: str) -> object: ...
@@ -151,8 +154,7 @@ class Scheduler:
                 admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             for request_id in cancels:
                 self._cancel_running(request_id)
-            for ticket in admit:
-                self._admit(ticket)
+            self._admit_all(admit)
             self.metrics.set_load(len(self._running), self.queued)
             if self._running:
                 self._round()
@@ -162,6 +164,50 @@ class Scheduler:
             left, self._pending = list(self._pending), collections.deque()
         for ticket in left:
             self._finish(ticket, abort_output(ticket.request.request_id, 0))
+
+    def _admit_all(self, tickets: list[_Ticket]) -> None:
+        """Prefill the admitted requests together where the batch can (one padded forward, not one each).
+
+        Each request is validated on its own first, so a bad one fails alone; only the valid ones are
+        batched. A batch without add_many/validate (e.g. a test fake) gets them one at a time.
+        """
+        add_many = getattr(self.batch, "add_many", None)
+        validate = getattr(self.batch, "validate", None)
+        if len(tickets) < 2 or add_many is None or validate is None:
+            for ticket in tickets:
+                self._admit(ticket)
+            return
+        valid = []
+        for ticket in tickets:
+            try:
+                validate(ticket.request)
+            except RequestError as err:
+                self._fail(ticket, Failure(ticket.request.request_id, str(err), err.status_code, err.field))
+            else:
+                valid.append(ticket)
+        if len(valid) < 2:
+            for ticket in valid:
+                self._admit(ticket)
+            return
+        try:
+            first = add_many([t.request for t in valid])
+        except Exception:
+            # Whatever went wrong, give each request its own chance and its own error: undo any that
+            # joined before the failure, then admit them one at a time.
+            log.exception("batched prefill of %d requests failed; admitting them one by one", len(valid))
+            for ticket in valid:
+                try:
+                    self.batch.cancel(ticket.request.request_id)
+                except Exception:
+                    log.exception("cancel after a failed batched prefill failed for %s", ticket.request.request_id)
+            for ticket in valid:
+                self._admit(ticket)
+            return
+        for ticket in valid:
+            self._running[ticket.request.request_id] = ticket
+            if ticket.counted:
+                self.metrics.record_admitted(len(ticket.request.prompt_ids))
+        self._dispatch(first or [])
 
     def _admit(self, ticket: _Ticket) -> None:
         request = ticket.request

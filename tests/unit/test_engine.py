@@ -9,14 +9,16 @@ being good: whatever it proposes, the committed tokens must be the target's own.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
 
 from ddtree.config import Algorithm, SpecConfig
-from ddtree.engine import Engine, Request
+from ddtree.engine import Engine, Request, prefill_chunks
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
 from ddtree.models import DrafterConfig, TargetConfig, init_drafter, init_target
+from ddtree.serving.scheduler import Failure, Scheduler
 
 VOCAB = 97
 MASK_ID = VOCAB - 1
@@ -194,3 +196,150 @@ def test_drafter_that_does_not_fit_is_rejected(engine: Engine) -> None:
     )
     with pytest.raises(ModelLoadError):
         init_drafter(cfg, engine.target)
+
+
+# -- batched prefill -------------------------------------------------------------------------------
+
+
+def run_to_end(batch, first: list) -> dict[str, tuple[list[int], list[int]]]:
+    """Drive `batch` until every row finishes; request id -> (tokens, accept lengths)."""
+    got: dict[str, tuple[list[int], list[int]]] = {}
+    outs = first
+    while True:
+        for o in outs:
+            toks, acc = got.setdefault(o.request_id, ([], []))
+            toks += o.new_token_ids
+            acc += o.accept_lengths
+        if not batch.active:
+            return got
+        outs = batch.step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+def test_add_many_equals_one_by_one(engine: Engine, temperature: float) -> None:
+    """Prompts of very different lengths prefilled together decode exactly as when added one at a time."""
+    spec = SpecConfig(budget=8, topk=4, block_size=8, draft_window=16)
+    rng = random.Random(12)
+    lengths = [2, 150, 7, 61, 1, 33]
+    reqs = [Request(str(i), [rng.randrange(MASK_ID) for _ in range(n)], 16, temperature, seed=5 + i)
+            for i, n in enumerate(lengths)]
+    one = engine.open_batch(spec, max_batch=len(reqs), max_len=256)
+    firsts = [o for r in reqs for o in one.add(r)]
+    alone = run_to_end(one, firsts)
+    many = engine.open_batch(spec, max_batch=len(reqs), max_len=256)
+    many.forward_cost = 10_000  # all six in one forward, padded to 150 (the default keeps 1 and 150 apart)
+    outs = many.add_many(reqs)
+    assert [o.request_id for o in outs] == [r.request_id for r in reqs]  # request order, not length order
+    assert many.active == len(reqs)
+    together = run_to_end(many, outs)
+    assert together == alone
+    # and both are the target's own tokens
+    ar = engine.generate([r.prompt_ids for r in reqs], 16, temperature=temperature, spec=AR, seed=5)
+    assert together["0"][0] == ar[0].token_ids
+
+
+def test_prefill_chunks_bound_padded_tokens() -> None:
+    lengths = [5, 300, 40, 41, 7, 1000, 39]
+    chunks = prefill_chunks(lengths, 128)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:
+        padded = len(c) * max(lengths[i] for i in c)
+        assert padded <= 128 or len(c) == 1  # only a prompt longer than the bound runs alone
+    assert [lengths[c[0]] for c in chunks] == sorted(lengths[c[0]] for c in chunks)  # short ones first
+    assert prefill_chunks([10] * 8, 40) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert prefill_chunks([], 40) == []
+    # padding vs forwards: free forwards keep every length apart; costly ones share a padded forward
+    assert prefill_chunks([13, 10, 12, 11], 1000) == [[1], [3], [2], [0]]
+    assert prefill_chunks([13, 10, 12, 11], 1000, forward_cost=100) == [[1, 3, 2, 0]]
+    assert prefill_chunks([13, 10, 12, 11], 26, forward_cost=100) == [[1, 3], [2, 0]]
+
+
+def test_add_many_across_chunks_equals_one_by_one(engine: Engine) -> None:
+    """More padded tokens than prefill_tokens: several forwards, same result as one request at a time."""
+    spec = SpecConfig(budget=6, topk=3, block_size=6, draft_window=None)
+    rng = random.Random(13)
+    lengths = [30, 3, 64, 17, 29, 31, 90, 8]
+    reqs = [Request(str(i), [rng.randrange(MASK_ID) for _ in range(n)], 1 if i == 1 else 12)
+            for i, n in enumerate(lengths)]
+    one = engine.open_batch(spec, max_batch=len(reqs), max_len=160)
+    alone = run_to_end(one, [o for r in reqs for o in one.add(r)])
+    calls: list[tuple[int, int]] = []
+    real_forward = engine.target.forward
+
+    def spy(input_ids, *args, **kwargs):
+        calls.append(tuple(input_ids.shape))
+        return real_forward(input_ids, *args, **kwargs)
+
+    many = engine.open_batch(spec, max_batch=len(reqs), max_len=160, prefill_tokens=64)
+    many.forward_cost = 1000  # forwards "cost" more than padding: only prefill_tokens splits them
+    engine.target.forward = spy
+    try:
+        outs = many.add_many(reqs)
+    finally:
+        del engine.target.forward
+    assert len(calls) >= 4 and all(k * w <= 64 or k == 1 for k, w in calls), calls
+    assert max(k for k, _ in calls) >= 2  # padded rows really share forwards
+    assert sum(k for k, _ in calls) == len(reqs)
+    assert outs[1].finished and many.active == len(reqs) - 1  # max_new_tokens=1 is done at its first token
+    assert run_to_end(many, outs) == alone
+
+
+def test_bad_request_in_add_many_changes_nothing(engine: Engine) -> None:
+    spec = SpecConfig(budget=4, topk=2, block_size=4)
+    batch = engine.open_batch(spec, max_batch=4, max_len=128)
+    batch.add(Request("running", [1, 2, 3], 8))
+    before = (batch.active, batch.cache.lengths.clone(), batch.bonus.clone())
+    good = Request("good", [4, 5, 6], 8)
+    for bad, field in [
+        (Request("bad", [1, VOCAB + 3], 8), "input_ids"),
+        (Request("bad", [], 8), "input_ids"),
+        (Request("bad", [1, 2], 0), "max_new_tokens"),
+        (Request("bad", [1] * 120, 20), "max_new_tokens"),
+        (Request("bad", [1, 2], 4, temperature=-1.0), "temperature"),
+        (Request("running", [1, 2], 4), "request_id"),
+    ]:
+        with pytest.raises(RequestError, match="'bad'|'running'") as err:
+            batch.add_many([good, bad])
+        assert err.value.field == field
+        assert batch.active == before[0]
+        assert torch.equal(batch.cache.lengths, before[1]) and torch.equal(batch.bonus, before[2])
+    with pytest.raises(RequestError, match="no free slot") as err:
+        batch.add_many([Request(str(i), [1, 2], 4) for i in range(4)])
+    assert err.value.status_code == 503 and batch.active == 1
+    with pytest.raises(ConfigError, match="prefill_tokens"):
+        engine.open_batch(spec, max_batch=1, prefill_tokens=0)
+
+
+def test_scheduler_admits_together_and_fails_only_the_bad_request(engine: Engine) -> None:
+    """The server's scheduler prefills queued requests with add_many; a bad one fails alone."""
+    spec = SpecConfig(budget=6, topk=3, block_size=6)
+    batch = engine.open_batch(spec, max_batch=4, max_len=128)
+    calls: list[int] = []
+    real_add_many = batch.add_many
+    batch.add_many = lambda reqs: calls.append(len(reqs)) or real_add_many(reqs)
+    good = prompts(3, seed=14)
+    reqs = [Request("a", good[0], 10), Request("bad", [1, VOCAB + 1], 10),
+            Request("b", good[1], 10), Request("c", good[2], 10)]
+    events: dict[str, list] = {r.request_id: [] for r in reqs}
+    done = threading.Event()
+
+    def sink_for(rid: str):
+        def sink(ev) -> None:
+            events[rid].append(ev)
+            if all(e and (isinstance(e[-1], Failure) or e[-1].finished) for e in events.values()):
+                done.set()
+        return sink
+
+    sched = Scheduler(batch, max_running=4)
+    for r in reqs:  # all queued before the thread starts: one admission takes them together
+        sched.submit(r, sink_for(r.request_id))
+    sched.start()
+    try:
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    assert calls == [3]
+    assert isinstance(events["bad"][-1], Failure) and events["bad"][-1].field == "input_ids"
+    ref = engine.generate(good, 10, spec=AR)
+    for rid, r in zip("abc", ref):
+        assert [t for ev in events[rid] for t in ev.new_token_ids] == r.token_ids
