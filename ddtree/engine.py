@@ -27,7 +27,7 @@ import torch
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, RequestError
 from ddtree.sampling import choose_tokens_no_sync
-from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_trees, is_chain
+from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_trees
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
@@ -318,13 +318,17 @@ class DecodeBatch:
         t.start("draft")
         block_ids = torch.full((n, block), eng.mask_token_id, dtype=torch.long, device=self.device)
         block_ids[:, 0] = bonus
-        draft_logits = eng.drafter.forward(ctx, block_ids, committed)  # [n, L, V]
+        # the drafter attends to at most min(longest context, window) stored positions: a host bound
+        ctx_hint = max(r.committed for r in self.rows)
+        draft_logits = eng.drafter.forward(ctx, block_ids, committed, ctx_len_hint=ctx_hint)  # [n, L, V]
         # 2. build
         t.start("build")
         trees = build_trees(draft_logits, spec.budget, spec.topk)
         # 3. compile
         compiled = compile_trees(trees, bonus, committed)
-        chain = spec.algorithm is Algorithm.DFLASH or bool(is_chain(trees).all())
+        # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
+        # themselves would read the device every round, so only the host-known cases skip the mask
+        chain = spec.algorithm is Algorithm.DFLASH or spec.topk == 1
         # 4. verify
         t.start("verify")
         kv_hint = max(r.committed for r in self.rows) + spec.budget + 1
