@@ -288,8 +288,8 @@ class DecodeBatch:
     def _ar_round(self) -> list[StepOutput]:
         n = len(self.rows)
         eng, t = self.engine, self.timer
-        committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
         cache = self.cache.rows(0, n)
+        committed = cache.lengths.clone()  # [n] == each row's committed length, already on the device
         t.start("verify")
         ids = self.bonus[:n, None]
         logits, _ = eng.target.forward(ids, committed[:, None], cache, None, None,
@@ -310,8 +310,9 @@ class DecodeBatch:
     def _speculative_round(self) -> list[StepOutput]:
         n, spec, eng, t = len(self.rows), self.spec, self.engine, self.timer
         block = spec.block_size
-        committed = torch.tensor([r.committed for r in self.rows], dtype=torch.long, device=self.device)
         cache, ctx = self.cache.rows(0, n), self.ctx.rows(0, n)
+        # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
+        committed = cache.lengths.clone()  # [n]
         bonus = self.bonus[:n]
 
         # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1

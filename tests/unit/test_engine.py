@@ -343,3 +343,15 @@ def test_scheduler_admits_together_and_fails_only_the_bad_request(engine: Engine
     ref = engine.generate(good, 10, spec=AR)
     for rid, r in zip("abc", ref):
         assert [t for ev in events[rid] for t in ev.new_token_ids] == r.token_ids
+
+
+def test_device_lengths_track_the_host_bookkeeping(engine: Engine) -> None:
+    """The round reads committed lengths from the cache (no host copy); they must equal the host's."""
+    spec = SpecConfig(budget=8, topk=4, block_size=8, draft_window=16)
+    batch = engine.open_batch(spec, max_batch=3, max_len=256)
+    batch.add_many([Request(str(i), p, 40) for i, p in enumerate(prompts(3, seed=11))])
+    for _ in range(6):
+        batch.step()
+        rows = batch.rows
+        assert batch.cache.lengths[: len(rows)].tolist() == [r.committed for r in rows]
+        assert batch.ctx.total[: len(rows)].tolist() == [r.committed for r in rows]
