@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ class CellResult:
 # -- environment -------------------------------------------------------------------------------
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def machine_info() -> dict[str, Any]:

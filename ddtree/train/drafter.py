@@ -266,7 +266,7 @@ def train_drafter(
     batch's rows are rollout sequences, the rest corpus windows. label "target": block labels are
     the target's argmax (rollout rows: their own tokens, which are that already); "data": the data.
     """
-    from ddtree.models import load_drafter, init_drafter, load_target, save_drafter
+    from ddtree.models import init_drafter, load_drafter, load_target, save_drafter
     from ddtree.train.rollouts import RolloutRows, Rollouts, read_rollouts_info
 
     data, out = Path(data_dir), Path(out_dir)

@@ -8,8 +8,8 @@ a small grid file, then checks the exit code and the output lines.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
