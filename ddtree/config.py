@@ -4,12 +4,15 @@ The id is what pytest shows and `-k` matches, what result files are keyed by and
 files use:
 
     DDTREE   b{budget}-k{topk}-w{window|none}-bs{block_size}     e.g. b8-k4-w2048-bs8
+             bauto[{max_budget}]-k{topk}-...                      e.g. bauto-k4-w2048-bs8 (max 32)
     DFLASH   dflash-w{window|none}-bs{block_size}                e.g. dflash-w2048-bs8
     NONE     ar
 
 `SpecConfig.from_id(cfg.id) == cfg` for every valid config. DFLASH is DDTree's special case
 "topk 1, budget block_size - 1" (a chain), so its budget and topk are normalised to that;
-NONE ignores every speculative field, so they are normalised to zero.
+NONE ignores every speculative field, so they are normalised to zero. `budget="auto"` lets the
+engine choose the tree size every round (ddtree.budget) up to `max_budget`, which only an auto
+config uses (a fixed budget normalises it to the default).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ MAX_TOPK = 1024
 MIN_BLOCK_SIZE = 2  # the bonus token plus at least one drafted position
 MAX_BLOCK_SIZE = 64
 MAX_DRAFT_WINDOW = 1 << 20
+AUTO = "auto"  # budget chosen per round by the engine's cost model (ddtree.budget)
+DEFAULT_MAX_BUDGET = 32
+MAX_AUTO_BUDGET = 63  # auto trees stay within one int64 bitmask word (root + 63 nodes)
 
 
 class Algorithm(str, Enum):
@@ -74,7 +80,8 @@ def _check_int(name: str, value: Any, low: int, high: int) -> None:
 class SpecConfig:
     """What the target verifies each round and how the drafter proposes it.
 
-    budget       non-root tree nodes verified per round (DDTREE); the chain uses block_size - 1
+    budget       non-root tree nodes verified per round (DDTREE); the chain uses block_size - 1;
+                 "auto": chosen per round (1..max_budget) to maximise expected tokens per second
     topk         candidate tokens kept per depth (K = min(topk, vocab))
     block_size   drafter block: the bonus token plus block_size - 1 drafted positions (max depth)
     draft_window the drafter attends to the last W committed positions; None = unlimited.
@@ -82,10 +89,11 @@ class SpecConfig:
     """
 
     algorithm: Algorithm = Algorithm.DDTREE
-    budget: int = 8
+    budget: int | str = 8
     topk: int = 4
     block_size: int = 8
     draft_window: int | None = 2048
+    max_budget: int = DEFAULT_MAX_BUDGET  # the cap of an auto budget (1..63); unused otherwise
 
     def __post_init__(self) -> None:
         algorithm = Algorithm.parse(self.algorithm)
@@ -94,6 +102,7 @@ class SpecConfig:
             for name in ("budget", "topk", "block_size"):
                 object.__setattr__(self, name, 0)
             object.__setattr__(self, "draft_window", None)
+            object.__setattr__(self, "max_budget", DEFAULT_MAX_BUDGET)
             return
         _check_int("block_size", self.block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)
         window = parse_window(self.draft_window)
@@ -103,8 +112,16 @@ class SpecConfig:
         if algorithm is Algorithm.DFLASH:
             object.__setattr__(self, "budget", self.block_size - 1)
             object.__setattr__(self, "topk", 1)
+            object.__setattr__(self, "max_budget", DEFAULT_MAX_BUDGET)
             return
-        _check_int("budget", self.budget, 1, MAX_BUDGET)
+        if isinstance(self.budget, str) and self.budget.strip().lower() == AUTO:
+            object.__setattr__(self, "budget", AUTO)
+            _check_int("max_budget", self.max_budget, 1, MAX_AUTO_BUDGET)
+        else:
+            if isinstance(self.budget, str):
+                raise ConfigError(f"budget: {self.budget!r} is not an integer (allowed range 1..{MAX_BUDGET}) or 'auto'")
+            _check_int("budget", self.budget, 1, MAX_BUDGET)
+            object.__setattr__(self, "max_budget", DEFAULT_MAX_BUDGET)  # only an auto budget uses it
         _check_int("topk", self.topk, 1, MAX_TOPK)
 
     # -- derived -------------------------------------------------------------------------------
@@ -118,9 +135,19 @@ class SpecConfig:
         return max(self.block_size - 1, 0)
 
     @property
+    def auto_budget(self) -> bool:
+        """True when the engine chooses the budget every round (budget == "auto")."""
+        return self.budget == AUTO
+
+    @property
+    def budget_cap(self) -> int:
+        """The most non-root nodes a round may verify: the budget, or max_budget when auto."""
+        return self.max_budget if self.budget == AUTO else int(self.budget)
+
+    @property
     def max_nodes(self) -> int:
-        """Tree nodes verified per round, root included (the verify width)."""
-        return self.budget + 1 if self.speculative else 1
+        """Tree nodes verified per round at most, root included (the widest verify)."""
+        return self.budget_cap + 1 if self.speculative else 1
 
     @property
     def id(self) -> str:
@@ -129,13 +156,16 @@ class SpecConfig:
         window = "none" if self.draft_window is None else str(self.draft_window)
         if self.algorithm is Algorithm.DFLASH:
             return f"dflash-w{window}-bs{self.block_size}"
-        return f"b{self.budget}-k{self.topk}-w{window}-bs{self.block_size}"
+        budget = self.budget
+        if budget == AUTO and self.max_budget != DEFAULT_MAX_BUDGET:
+            budget = f"{AUTO}{self.max_budget}"
+        return f"b{budget}-k{self.topk}-w{window}-bs{self.block_size}"
 
     def __str__(self) -> str:
         return self.id
 
     # -- parsing -------------------------------------------------------------------------------
-    _ID_TREE = re.compile(r"^b(\d+)-k(\d+)-w(none|\d+)-bs(\d+)$")
+    _ID_TREE = re.compile(r"^b(\d+|auto\d*)-k(\d+)-w(none|\d+)-bs(\d+)$")
     _ID_CHAIN = re.compile(r"^dflash-w(none|\d+)-bs(\d+)$")
 
     @classmethod
@@ -145,12 +175,15 @@ class SpecConfig:
             return cls(algorithm=Algorithm.NONE)
         if m := cls._ID_TREE.match(text):
             budget, topk, window, block = m.groups()
+            if budget.startswith(AUTO):
+                cap = int(budget[len(AUTO):] or DEFAULT_MAX_BUDGET)
+                return cls(Algorithm.DDTREE, AUTO, int(topk), int(block), parse_window(window), max_budget=cap)
             return cls(Algorithm.DDTREE, int(budget), int(topk), int(block), parse_window(window))
         if m := cls._ID_CHAIN.match(text):
             window, block = m.groups()
             return cls(Algorithm.DFLASH, block_size=int(block), draft_window=parse_window(window))
         raise ConfigError(
-            f"config id {config_id!r} is not one of 'b<budget>-k<topk>-w<window|none>-bs<block>', "
+            f"config id {config_id!r} is not one of 'b<budget|auto>-k<topk>-w<window|none>-bs<block>', "
             "'dflash-w<window|none>-bs<block>' or 'ar'"
         )
 
@@ -170,13 +203,16 @@ class SpecConfig:
             raise ConfigError(f"{where}: {err}") from err
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "algorithm": self.algorithm.value,
             "budget": self.budget,
             "topk": self.topk,
             "block_size": self.block_size,
             "draft_window": self.draft_window,
         }
+        if self.auto_budget:  # a fixed budget ignores max_budget: keep its dict as it always was
+            data["max_budget"] = self.max_budget
+        return data
 
     def server_args(self) -> list[str]:
         """The speculative flags of `python -m ddtree.server` / sglang for this config."""
@@ -188,6 +224,8 @@ class SpecConfig:
         if self.algorithm is Algorithm.DDTREE:
             args += ["--speculative-ddtree-budget", str(self.budget)]
             args += ["--speculative-ddtree-topk", str(self.topk)]
+            if self.auto_budget and self.max_budget != DEFAULT_MAX_BUDGET:
+                args += ["--speculative-ddtree-max-budget", str(self.max_budget)]
         return args
 
 

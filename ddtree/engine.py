@@ -11,7 +11,8 @@ One round for every running request at once (DESIGN section 2):
 
 Rows of a `DecodeBatch` are kept packed at the front (a finished request's slot is refilled by moving
 the last row into it), so every forward runs on a contiguous view of the caches. The only host
-synchronisation per round is the one that hands the new tokens back to the caller.
+synchronisation per round is the one that hands the new tokens back to the caller; with
+`budget="auto"` there is a second one, after step 2, that reads the chosen tree size (ddtree.budget).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from ddtree.budget import (VerifyCostModel, choose_budget, default_node_counts, default_row_counts,
+                           measure_verify_cost, truncate_trees)
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, RequestError
 from ddtree.sampling import choose_tokens_no_sync
@@ -31,6 +34,8 @@ from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_t
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
+COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
+COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
 
 
 # What one more prefill forward costs, in padded tokens (fixed work: launches, weight reads). Measured
@@ -89,6 +94,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | None while running
     verify_steps: int  # verify forwards so far for this request
     accept_lengths: list[int] = field(default_factory=list)  # this round's accepted length(s)
+    budgets: list[int] = field(default_factory=list)  # this round's tree size (non-root nodes verified)
 
 
 @dataclass
@@ -101,6 +107,7 @@ class GenerationResult:
     verify_steps: int
     accept_lengths: list[int]
     timings: dict[str, float]
+    budgets: list[int] = field(default_factory=list)  # tree size of every round (varies with budget auto)
 
     @property
     def accept_histogram(self) -> list[int]:
@@ -170,6 +177,11 @@ class DecodeBatch:
         self.forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS_ACCELERATOR)
         self.timer = StageTimer(engine.device, sync=profile)
         self.rows: list[_Row] = []
+        # budget auto: the round cost model (measured once per engine, or loaded from a profile)
+        self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
+        self.last_budget: int | None = None  # the latest round's tree size, for /server_info
+        self.budget_rounds = 0
+        self.budget_total = 0
         target = engine.target
         self.cache = target.new_cache(max_batch, max_len)
         self.ctx = None
@@ -324,7 +336,17 @@ class DecodeBatch:
         draft_logits = eng.drafter.forward(ctx, block_ids, committed, ctx_len_hint=ctx_hint)  # [n, L, V]
         # 2. build
         t.start("build")
-        trees = build_trees(draft_logits, spec.budget, spec.topk)
+        trees = build_trees(draft_logits, spec.budget_cap, spec.topk)
+        budget = spec.budget_cap
+        if self.cost_model is not None:
+            # budget auto: the prefix of b* nodes (a valid tree: parents come first) with the most expected
+            # tokens per second. The verify width must be a host int, so b* is read here: one more sync
+            # per round. Deciding on the host from the previous round's gains would avoid it but choose
+            # for a stale tree; CUDA-graph buckets (one captured verify per width) would keep the read but
+            # make it cheap. On the CPU the read costs nothing.
+            costs = self.cost_model.round_costs(n, budget, self.device)  # [budget]
+            budget = int(choose_budget(trees.log_probs, costs))
+            trees = truncate_trees(trees, budget)
         # 3. compile
         compiled = compile_trees(trees, bonus, committed)
         # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
@@ -332,7 +354,7 @@ class DecodeBatch:
         chain = spec.algorithm is Algorithm.DFLASH or spec.topk == 1
         # 4. verify
         t.start("verify")
-        kv_hint = max(r.committed for r in self.rows) + spec.budget + 1
+        kv_hint = max(r.committed for r in self.rows) + budget + 1
         logits, taps = eng.target.forward(
             compiled.input_ids, compiled.position_ids, cache, None if chain else compiled.mask,
             eng.tap_layers, kv_len_hint=kv_hint,
@@ -344,7 +366,7 @@ class DecodeBatch:
         t.start("walk")
         accepted, accept_lens, new_bonus = follow_trees(trees, target_tokens)
         # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
-        accepted = accepted[:, : min(accepted.shape[1], spec.budget + 1)]
+        accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
         # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
         t.start("compact")
         src, _contiguous = compaction_indices(accepted, accept_lens)
@@ -359,13 +381,18 @@ class DecodeBatch:
         # The one sync per round: the committed tokens go back to the caller.
         host = torch.cat([acc_tokens, new_bonus[:, None], accept_lens[:, None]], dim=1).tolist()
         t.stop()
+        self.last_budget = budget
+        self.budget_rounds += 1
+        self.budget_total += budget
         outputs = []
         for slot, row in enumerate(self.rows):
             k = host[slot][-1]
             new_tokens = host[slot][1:k] + [host[slot][width]]  # accepted drafts, then the bonus
             row.committed += k
             row.verify_steps += 1
-            outputs.append(self._emit(slot, row, new_tokens, accept=k))
+            out = self._emit(slot, row, new_tokens, accept=k)
+            out.budgets = [budget]
+            outputs.append(out)
         return outputs
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -448,6 +475,10 @@ class Engine:
             self.tap_layers = list(drafter.config.target_layer_ids)
             self.mask_token_id = drafter.config.mask_token_id
             self.trained_block_size = drafter.config.block_size
+        # budget auto: a profile set here (e.g. from --speculative-ddtree-cost-profile) is used as is;
+        # otherwise the first auto batch measures one and later batches reuse it
+        self.cost_model: VerifyCostModel | None = None
+        self._measured: dict[tuple, VerifyCostModel] = {}
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, device: str | torch.device = "cpu",
@@ -463,6 +494,24 @@ class Engine:
         if spec.speculative and self.drafter is None:
             raise ConfigError(f"algorithm: {spec.algorithm.value} needs a draft model "
                               "(--speculative-draft-model-path); this engine has none")
+
+    def budget_cost_model(self, spec: SpecConfig, max_batch: int) -> VerifyCostModel:
+        """The round cost model for an auto budget: the loaded profile, else measured (once per setting).
+
+        Measured on min(1024, context) committed tokens for 1..max(max_batch, 8) rows (at most 4 sizes) and
+        verify widths 2..max_budget + 1; larger batches extrapolate. A handful of forwards: ~1 s on CPU.
+        """
+        if self.cost_model is not None:
+            return self.cost_model
+        key = (spec.budget_cap, spec.topk, spec.block_size, spec.draft_window)
+        cached = self._measured.get(key)
+        if cached is None or max(cached.rows) < max_batch:
+            context = max(1, min(COST_PROFILE_CONTEXT, self.max_context - spec.max_nodes - spec.block_size))
+            cached = measure_verify_cost(
+                self, default_row_counts(max(max_batch, COST_PROFILE_ROWS)), default_node_counts(spec.budget_cap), context,
+                block_size=spec.block_size, draft_window=spec.draft_window, topk=spec.topk)
+            self._measured[key] = cached
+        return cached
 
     def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
                    profile: bool = True, prefill_tokens: int = PREFILL_TOKENS) -> DecodeBatch:
@@ -493,6 +542,7 @@ class Engine:
             batch._validate(r)
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         accepts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        budgets: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         final: dict[str, StepOutput] = {}
         pending = list(reqs)
 
@@ -500,6 +550,7 @@ class Engine:
             for o in outs:
                 tokens[o.request_id].extend(o.new_token_ids)
                 accepts[o.request_id].extend(o.accept_lengths)
+                budgets[o.request_id].extend(o.budgets)
                 if o.finished:
                     final[o.request_id] = o
 
@@ -514,6 +565,7 @@ class Engine:
                 finish_reason=final[r.request_id].finish_reason or "length",
                 verify_steps=final[r.request_id].verify_steps,
                 accept_lengths=accepts[r.request_id], timings=dict(batch.timer.totals),
+                budgets=budgets[r.request_id],
             )
             for r in reqs
         ]

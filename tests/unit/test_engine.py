@@ -355,3 +355,60 @@ def test_device_lengths_track_the_host_bookkeeping(engine: Engine) -> None:
         rows = batch.rows
         assert batch.cache.lengths[: len(rows)].tolist() == [r.committed for r in rows]
         assert batch.ctx.total[: len(rows)].tolist() == [r.committed for r in rows]
+
+
+# -- budget auto ------------------------------------------------------------------------------------
+AUTO_SPECS = [
+    pytest.param(SpecConfig(budget="auto", topk=4, block_size=8), id="bauto-k4-w2048-bs8"),
+    pytest.param(SpecConfig(budget="auto", max_budget=12, topk=6, block_size=8, draft_window=8), id="bauto12-k6-w8-bs8"),
+]
+
+
+def _cost_model(per_node: float):
+    from ddtree.budget import VerifyCostModel
+
+    nodes = (2, 9, 33, 64)
+    return VerifyCostModel((1, 8), nodes, tuple(tuple(1e-3 + per_node * n * r for n in nodes) for r in (1, 8)),
+                           (1e-3, 1e-3))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", AUTO_SPECS)
+def test_auto_budget_output_equals_ar(engine: Engine, spec: SpecConfig, temperature: float) -> None:
+    """The engine measures its cost model once and picks a tree size per round; the output stays AR's."""
+    batch = prompts(4, seed=5)
+    ref = engine.generate(batch, 24, temperature=temperature, spec=AR, seed=11)
+    out = engine.generate(batch, 24, temperature=temperature, spec=spec, seed=11)
+    for i, (r, o) in enumerate(zip(ref, out)):
+        assert o.token_ids == r.token_ids, f"{spec.id} T={temperature} prompt {i}: differs from AR"
+        assert len(o.budgets) == o.verify_steps == len(o.accept_lengths) > 0
+        assert all(1 <= b <= spec.max_budget for b in o.budgets), o.budgets
+
+
+@pytest.mark.parametrize(("per_node", "expect"), [(1.0, 1), (0.0, 16)], ids=["steep-chain", "flat-cap"])
+def test_auto_budget_follows_the_cost_model(per_node: float, expect: int) -> None:
+    """A steep per-node verify cost verifies 1 node a round; a flat one verifies max_budget; both lossless."""
+    engine = make_engine()
+    engine.cost_model = _cost_model(per_node)  # as if loaded from --speculative-ddtree-cost-profile
+    spec = SpecConfig(budget="auto", max_budget=16, topk=4, block_size=8)
+    batch = prompts(3, seed=8)
+    ref = engine.generate(batch, 20, spec=AR)
+    out = engine.generate(batch, 20, spec=spec)
+    for r, o in zip(ref, out):
+        assert o.token_ids == r.token_ids
+        assert set(o.budgets) == {expect}, o.budgets
+
+
+def test_cost_model_is_measured_once_per_engine() -> None:
+    engine = make_engine()
+    spec = SpecConfig(budget="auto", max_budget=8, topk=4, block_size=8)
+    first = engine.open_batch(spec, max_batch=2, max_len=128)
+    again = engine.open_batch(spec, max_batch=2, max_len=128)
+    assert first.cost_model is again.cost_model is not None
+    assert first.cost_model.nodes[-1] == 9 and first.cost_model.rows == (1, 2, 4, 8)
+    wider = engine.open_batch(spec, max_batch=16, max_len=128)  # more rows than measured: measure again
+    assert wider.cost_model is not first.cost_model and wider.cost_model.rows[-1] == 16
+    fixed = engine.open_batch(SpecConfig(budget=8), max_batch=2, max_len=128)
+    assert fixed.cost_model is None
+    out = engine.generate(prompts(1, seed=2)[0], 12, spec=SpecConfig(budget=8))
+    assert set(out.budgets) == {8}, "a fixed budget verifies its budget every round"

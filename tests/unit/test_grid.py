@@ -133,3 +133,14 @@ def test_cell_ids_and_keys() -> None:
     assert cell.id == "b8-k4-w2048-bs8-ctx60-c1"
     assert cell.key == "ctx60-c1"
     assert cell.config_id == "b8-k4-w2048-bs8"
+
+
+def test_auto_budget_parses_from_a_grid_file(tmp_path: Path) -> None:
+    data = {**BASE, "configs": [{"budget": "auto"}, {"budget": "auto", "max_budget": 16}, {"budget": 4}]}
+    grid = load_grid(write(tmp_path, data))
+    assert [c.id for c in grid.configs] == ["bauto-k4-w2048-bs8", "bauto16-k4-w2048-bs8", "b4-k4-w2048-bs8"]
+    auto_default = load_grid(write(tmp_path, {**BASE, "default": {**BASE["default"], "budget": "auto"}}))
+    assert auto_default.default.id == "bauto-k4-w2048-bs8"
+    assert auto_default.configs[-1].id == "b4-k4-w2048-bs8", "a fixed entry over an auto default"
+    with pytest.raises(ConfigError, match=r"configs\[0\]: max_budget: 99 is out of range"):
+        parse_grid({**BASE, "configs": [{"budget": "auto", "max_budget": 99}]})

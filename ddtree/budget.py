@@ -1,0 +1,273 @@
+"""Cost-aware tree budget (`--speculative-ddtree-budget auto`): the round cost model and the per-round choice.
+
+CaDDTree (research notes section 5.4) picks the tree size that maximises expected tokens per second,
+
+    theta(b) = sum_rows (1 + Phi_b) / (C_d(rows) + C_v(rows, b + 1))
+
+where Phi_b is the sum of the first b best-first node probabilities (DDTree Prop. 1: the expected
+accepted tokens of a prefix-closed tree is 1 + the sum of its nodes' path probabilities), C_d the
+fixed cost of a round (drafter forward + tree build) and C_v the target's verify forward over b + 1
+tree nodes for every row. Verify width is shared by the batch, so one b* is chosen per round from the
+batch's summed gains. Because build_trees orders nodes by score with parents first, every prefix of
+the node list is a valid tree, so truncating to b* nodes keeps the round lossless.
+
+This module knows the engine only through `measure_verify_cost` (which times its forwards); the
+choice and the truncation are pure tensor code.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ddtree.errors import ConfigError
+from ddtree.tree import DraftTrees, build_trees
+
+if TYPE_CHECKING:
+    from ddtree.engine import Engine
+
+__all__ = [
+    "VerifyCostModel",
+    "choose_budget",
+    "default_node_counts",
+    "default_row_counts",
+    "measure_verify_cost",
+    "truncate_trees",
+]
+
+PROFILE_VERSION = 1
+MEASURE_REPEATS = 3  # the median of this many timed runs per cell (after one warm-up run)
+
+
+def _monotone(values: np.ndarray, axis: int) -> np.ndarray:
+    """Running max along `axis`: a larger batch or tree never costs less (timing noise aside)."""
+    return np.maximum.accumulate(values, axis=axis)
+
+
+def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear ys(x) over sorted xs (ys[..., len(xs)]), extrapolated linearly past the last point.
+
+    Below the first point the first value holds (no measurement is cheaper than the smallest one).
+    """
+    if x <= xs[0]:
+        return ys[..., 0]
+    if len(xs) == 1:  # one point: cost proportional to the size past it
+        return ys[..., 0] * (x / xs[0])
+    i = int(np.searchsorted(xs, x, side="right")) - 1
+    i = min(i, len(xs) - 2)  # past the end: extend the last segment
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return ys[..., i] + w * (ys[..., i + 1] - ys[..., i])
+
+
+@dataclass
+class VerifyCostModel:
+    """Seconds per round as a function of (batch rows, tree nodes n + 1), from a measured table.
+
+    rows        sorted batch sizes measured, e.g. (1, 2, 4, 8)
+    nodes       sorted verify widths measured (root included), e.g. (2, 3, 5, 9, 17, 33)
+    verify_s    verify_s[i][j]: target forward over nodes[j] tokens for rows[i] rows
+    draft_s     draft_s[i]: drafter forward + tree build for rows[i] rows (C_d: independent of b)
+
+    Between measured points the cost is interpolated linearly in both axes; the table is made
+    monotone (non-decreasing) in both before use, so the model never says a bigger tree is cheaper.
+    """
+
+    rows: tuple[int, ...]
+    nodes: tuple[int, ...]
+    verify_s: tuple[tuple[float, ...], ...]
+    draft_s: tuple[float, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    _cache: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        rows, nodes = np.asarray(self.rows, dtype=float), np.asarray(self.nodes, dtype=float)
+        verify = np.asarray(self.verify_s, dtype=float)
+        draft = np.asarray(self.draft_s, dtype=float)
+        if len(rows) < 1 or len(nodes) < 1:
+            raise ConfigError("cost model: rows and nodes need at least one measured point each")
+        if np.any(np.diff(rows) <= 0) or np.any(np.diff(nodes) <= 0) or rows[0] < 1 or nodes[0] < 1:
+            raise ConfigError(f"cost model: rows {self.rows} and nodes {self.nodes} must be increasing and >= 1")
+        if verify.shape != (len(rows), len(nodes)) or draft.shape != (len(rows),):
+            raise ConfigError(
+                f"cost model: verify_s must be [{len(rows)}][{len(nodes)}] and draft_s [{len(rows)}], "
+                f"got {list(verify.shape)} and {list(draft.shape)}"
+            )
+        if not (np.all(np.isfinite(verify)) and np.all(verify >= 0) and np.all(np.isfinite(draft)) and np.all(draft >= 0)):
+            raise ConfigError("cost model: every time must be finite and >= 0 seconds")
+        self._rows, self._nodes = rows, nodes
+        self._verify = _monotone(_monotone(verify, 0), 1)  # [R, N]
+        self._draft = _monotone(draft, 0)  # [R]
+
+    # -- queries -------------------------------------------------------------------------------
+    def verify_cost(self, rows: int, nodes: int) -> float:
+        """C_v: seconds of one verify forward over `nodes` tree tokens (root included) for `rows` rows."""
+        per_width = _interp(float(rows), self._rows, self._verify.T)  # [N]
+        return float(max(_interp(float(nodes), self._nodes, per_width), 0.0))
+
+    def draft_cost(self, rows: int) -> float:
+        """C_d: seconds of the round's fixed part (drafter forward + tree build) for `rows` rows."""
+        return float(max(_interp(float(rows), self._rows, self._draft), 0.0))
+
+    def round_costs(self, rows: int, max_budget: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[max_budget] float32 on `device`: C_d + C_v(rows, b + 1) for b = 1..max_budget (cached)."""
+        key = (rows, max_budget, str(device))
+        if key not in self._cache:
+            values = [self.draft_cost(rows) + self.verify_cost(rows, b + 1) for b in range(1, max_budget + 1)]
+            self._cache[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        return self._cache[key]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, "rows": list(self.rows), "nodes": list(self.nodes),
+                "verify_s": [list(r) for r in self.verify_s], "draft_s": list(self.draft_s), "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "cost profile") -> VerifyCostModel:
+        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+            raise ConfigError(f"{where}: not a version {PROFILE_VERSION} cost profile")
+        try:
+            return cls(tuple(int(r) for r in data["rows"]), tuple(int(n) for n in data["nodes"]),
+                       tuple(tuple(float(t) for t in row) for row in data["verify_s"]),
+                       tuple(float(t) for t in data["draft_s"]), dict(data.get("meta") or {}))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {type(err).__name__}: {err}") from err
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> VerifyCostModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--speculative-ddtree-cost-profile: cannot read {str(path)!r}: {err}") from err
+        return cls.from_dict(data, where=f"cost profile {str(path)!r}")
+
+
+# -- the per-round choice ------------------------------------------------------------------------
+def choose_budget(log_probs: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
+    """b* in 1..B maximising the batch's expected tokens per second; a 0-dim long tensor, no host sync.
+
+    log_probs[bs, B]: the nodes' path log-probabilities in build order (best first, padding -inf,
+    so its probability is 0). costs[B]: seconds of a round verifying b = 1..B nodes. Expected tokens
+    of the batch with prefix b is sum_rows (1 + cumsum_b p); ties go to the smaller b (argmax picks
+    the first maximum).
+    """
+    gains = log_probs.float().exp().cumsum(dim=-1)  # [bs, B]
+    expected = gains.sum(dim=0) + log_probs.shape[0]  # [B]: rows * 1 (the bonus) + summed path probs
+    return (expected / costs.to(expected.device)).argmax() + 1
+
+
+def truncate_trees(trees: DraftTrees, budget: int) -> DraftTrees:
+    """The first `budget` nodes of every tree (a prefix-closed tree: parents come before children).
+
+    Verify width becomes budget + 1; rows with fewer nodes keep their padding.
+    """
+    if not 1 <= budget <= trees.budget:
+        raise ConfigError(f"budget: {budget} is out of range (allowed 1..{trees.budget})")
+    if budget == trees.budget:
+        return trees
+    return DraftTrees(
+        tokens=trees.tokens[:, :budget],
+        parents=trees.parents[:, :budget],
+        depths=trees.depths[:, :budget],
+        log_probs=trees.log_probs[:, :budget],
+        num_nodes=trees.num_nodes.clamp(max=budget),
+        max_depth=trees.max_depth,
+    )
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def default_row_counts(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to max_batch, max_batch included; at most 4 sizes (measuring stays quick)."""
+    sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+    if len(sizes) > 4:
+        sizes = sorted({sizes[0], sizes[len(sizes) // 3], sizes[2 * len(sizes) // 3], sizes[-1]})
+    return sizes
+
+
+def default_node_counts(max_budget: int) -> list[int]:
+    """Verify widths 2, 3, 5, 9, 17, ... up to max_budget + 1, max_budget + 1 included."""
+    top = max_budget + 1
+    return sorted({min(2, top), *[(1 << i) + 1 for i in range(1, 7) if (1 << i) + 1 < top], top})
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up; the device syncs around each clock read."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up (allocator, kernels), left out
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts: Sequence[int], context: int,
+                        *, block_size: int = 8, draft_window: int | None = None, topk: int = 4,
+                        repeats: int = MEASURE_REPEATS) -> VerifyCostModel:
+    """Time the engine's target verify (and drafter + build) forwards on a `context`-token prefix.
+
+    The caches are not filled by a prefill: their lengths are set to `context` and the stored K/V
+    stays zero, since the time of a forward does not depend on the values it attends to.
+    """
+    if context < 1:
+        raise ConfigError(f"context: {context} is out of range (allowed >= 1)")
+    rows = sorted(set(int(b) for b in batch_sizes))
+    nodes = sorted(set(int(n) for n in node_counts))
+    device, target, drafter = engine.device, engine.target, engine.drafter
+    gen = torch.Generator().manual_seed(0)
+    verify: list[tuple[float, ...]] = []
+    draft: list[float] = []
+    for bs in rows:
+        cache = target.new_cache(bs, context + nodes[-1])
+        cache.advance(torch.full((bs,), context, dtype=torch.long, device=device))
+        starts = torch.full((bs,), context, dtype=torch.long, device=device)
+        row_times = []
+        for n in nodes:
+            ids = torch.randint(engine.vocab_size, (bs, n), generator=gen).to(device)  # [bs, n]
+            positions = starts[:, None] + torch.arange(n, device=device)  # [bs, n]
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)  # [bs, n, n]
+
+            def verify_once(ids=ids, positions=positions, mask=mask) -> object:
+                return target.forward(ids, positions, cache, mask, engine.tap_layers, kv_len_hint=context + n)
+
+            row_times.append(_timed(verify_once, device, repeats))
+        verify.append(tuple(row_times))
+        draft.append(_time_draft(engine, bs, context, block_size, draft_window, topk, nodes[-1] - 1, repeats, gen)
+                     if drafter is not None else 0.0)
+    meta = {"device": str(device), "context": context, "block_size": block_size, "topk": topk,
+            "draft_window": draft_window, "repeats": repeats}
+    return VerifyCostModel(tuple(rows), tuple(nodes), tuple(verify), tuple(draft), meta)
+
+
+def _time_draft(engine: Engine, bs: int, context: int, block_size: int, draft_window: int | None, topk: int,
+                max_budget: int, repeats: int, gen: torch.Generator) -> float:
+    """C_d for `bs` rows: one drafter forward on [bonus, MASK...] plus build_trees at max_budget."""
+    device, drafter = engine.device, engine.drafter
+    ctx = drafter.new_context(bs, draft_window, context + block_size)
+    ctx.total.fill_(context)  # a full context of zero K/V: same attention work as a real one
+    block_ids = torch.full((bs, block_size), engine.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = torch.randint(engine.vocab_size, (bs,), generator=gen).to(device)
+    starts = torch.full((bs,), context, dtype=torch.long, device=device)
+
+    def draft_once() -> object:
+        logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=context)  # [bs, L, V]
+        return build_trees(logits, max_budget, topk)
+
+    return _timed(draft_once, device, repeats)
