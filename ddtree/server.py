@@ -145,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_length is not None and args.context_length > engine.max_context:
         print(f"error: --context-length: {args.context_length} exceeds the engine's limit {engine.max_context}", file=sys.stderr)
         return 2
+    if spec.auto_budget and args.speculative_ddtree_cost_profile:
+        from ddtree.budget import VerifyCostModel
+
+        try:
+            engine.cost_model = VerifyCostModel.load(args.speculative_ddtree_cost_profile)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     try:
         app = create_app(engine, spec, args, codec)  # opens the batch: the engine checks the spec
     except ConfigError as err:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from ddtree.config import Algorithm, SpecConfig, parse_window
+from ddtree.config import AUTO, Algorithm, SpecConfig, parse_window
 from ddtree.errors import ConfigError, ServiceError, ServiceVerifyError
 from ddtree.service.base import SERVER_INFO_KEYS, ServiceBackend, VerifyReport, http_client
 
@@ -40,7 +40,7 @@ def expected_settings(spec: SpecConfig) -> dict[str, Any]:
 
 
 def normalise(field: str, value: Any) -> Any:
-    """Bring a reported value to SpecConfig's form: window 0/None/"none" -> None, "8" -> 8."""
+    """Bring a reported value to SpecConfig's form: window 0/None/"none" -> None, "8" -> 8, "AUTO" -> "auto"."""
     if field == "algorithm":
         text = "" if value is None else str(value).strip().upper()
         return "NONE" if text in ("", "NONE", "NULL") else text
@@ -51,6 +51,8 @@ def normalise(field: str, value: Any) -> Any:
             return value
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
+    if field in ("budget", "tree_budget") and isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO  # a budget chosen per round is reported as the word, in any case
     return value
 
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ddtree.config import Algorithm, SpecConfig
+from ddtree.config import AUTO, DEFAULT_MAX_BUDGET, Algorithm, SpecConfig
 from ddtree.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 8  # when the drafter's config.json does not name its trained block size
@@ -23,6 +23,7 @@ MAX_RUNNING_LIMIT = 4096
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 FLAG_OF = {  # SpecConfig field -> the flag that sets it, so errors name what the user typed
     "budget": "--speculative-ddtree-budget",
+    "max_budget": "--speculative-ddtree-max-budget",
     "topk": "--speculative-ddtree-topk",
     "block_size": "--speculative-num-draft-tokens",
     "draft_window": "--speculative-draft-window-size",
@@ -37,7 +38,7 @@ class ServerArgs:
     model_path: str
     speculative_algorithm: str
     speculative_draft_model_path: str | None
-    speculative_ddtree_budget: int
+    speculative_ddtree_budget: int | str  # "auto": chosen per round (ddtree.budget)
     speculative_ddtree_topk: int
     speculative_num_draft_tokens: int
     speculative_draft_window_size: int  # 0 = no window
@@ -51,6 +52,8 @@ class ServerArgs:
     drain_timeout: float = 30.0
     served_model_name: str | None = None
     launch_command: str = ""
+    speculative_ddtree_max_budget: int = DEFAULT_MAX_BUDGET  # the cap of an auto budget
+    speculative_ddtree_cost_profile: str | None = None  # a measured round cost profile (JSON) for auto
 
     @property
     def spec(self) -> SpecConfig:
@@ -76,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="NONE (plain decoding), DFLASH (drafter chain) or DDTREE (drafter tree)",
     )
     p.add_argument("--speculative-draft-model-path", default=None, help="DFlash drafter folder")
-    p.add_argument("--speculative-ddtree-budget", type=int, default=8, help="tree nodes per round")
+    p.add_argument("--speculative-ddtree-budget", type=_budget, default=8,
+                   help="tree nodes per round, or 'auto': chosen each round by a verify cost model")
+    p.add_argument("--speculative-ddtree-max-budget", type=int, default=DEFAULT_MAX_BUDGET,
+                   help=f"the most nodes an auto budget may choose (1..63, default {DEFAULT_MAX_BUDGET})")
+    p.add_argument("--speculative-ddtree-cost-profile", default=None,
+                   help="JSON cost profile for an auto budget (default: measured at start-up)")
     p.add_argument("--speculative-ddtree-topk", type=int, default=4, help="candidates per depth")
     p.add_argument(
         "--speculative-num-draft-tokens",
@@ -114,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _budget(text: str) -> int | str:
+    """--speculative-ddtree-budget: an integer or 'auto'."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'auto'") from err
+
+
 def read_config(folder: str | None) -> dict[str, Any]:
     """A model folder's config.json, or {} when there is none (the loader reports real problems)."""
     if folder is None:
@@ -142,6 +160,7 @@ def spec_from_args(args: ServerArgs) -> SpecConfig:
         topk=args.speculative_ddtree_topk,
         block_size=args.speculative_num_draft_tokens,
         draft_window=args.speculative_draft_window_size or None,
+        max_budget=args.speculative_ddtree_max_budget,
     )
 
 
@@ -203,7 +222,12 @@ def resolve_args(argv: list[str] | None = None) -> ServerArgs:
         drain_timeout=ns.drain_timeout,
         served_model_name=ns.served_model_name,
         launch_command=shlex.join([sys.executable, "-m", "ddtree.server", *argv]),
+        speculative_ddtree_max_budget=ns.speculative_ddtree_max_budget,
+        speculative_ddtree_cost_profile=ns.speculative_ddtree_cost_profile,
     )
+    profile = ns.speculative_ddtree_cost_profile
+    if profile is not None and not Path(profile).is_file():
+        raise ConfigError(f"--speculative-ddtree-cost-profile: {profile!r} is not a file")
     try:
         spec = spec_from_args(args)
     except ConfigError as err:
@@ -220,4 +244,5 @@ def _with_spec(args: ServerArgs, spec: SpecConfig) -> ServerArgs:
         speculative_ddtree_topk=spec.topk,
         speculative_num_draft_tokens=spec.block_size,
         speculative_draft_window_size=spec.draft_window or 0,
+        speculative_ddtree_max_budget=spec.max_budget,
     )

@@ -212,4 +212,8 @@ class ServerState:
                 "queued_requests": self.scheduler.queued,
             }
         ]
+        batch = self.scheduler.batch
+        if self.spec.auto_budget and getattr(batch, "budget_rounds", 0):  # the budget chosen per round
+            info["internal_states"][0] |= {"last_spec_budget": batch.last_budget,
+                                           "avg_spec_budget": batch.budget_total / batch.budget_rounds}
         return info

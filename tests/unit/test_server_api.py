@@ -388,6 +388,27 @@ def test_server_info_reports_every_resolved_argument() -> None:
     run(app, body)
 
 
+def test_server_info_reports_an_auto_budget_and_the_budgets_chosen() -> None:
+    """budget auto on a real (tiny) engine: the resolved flag is "auto" and internal_states carry the choice."""
+    from tests.unit.test_engine import make_engine
+
+    spec = SpecConfig(budget="auto", max_budget=12, topk=4, block_size=8)
+    app = create_app(make_engine(), spec, make_args(spec, speculative_ddtree_max_budget=12))
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=gen([1, 2, 3], max_new_tokens=20, ignore_eos=True))
+        assert r.status_code == 200 and r.json()["meta_info"]["spec_verify_ct"] > 0
+        info = (await c.get("/server_info")).json()
+        assert info["speculative_ddtree_budget"] == "auto"
+        assert info["speculative_ddtree_max_budget"] == 12
+        assert info["spec_config_id"] == "bauto12-k4-w2048-bs8"
+        state = info["internal_states"][0]
+        assert 1 <= state["last_spec_budget"] <= 12
+        assert 1 <= state["avg_spec_budget"] <= 12
+
+    run(app, body)
+
+
 def test_flush_cache_and_metrics_counters_move() -> None:
     app, _ = make_app()
 
@@ -579,6 +600,7 @@ def test_duplicate_rid_in_flight_is_rejected() -> None:
         pytest.param(SpecConfig(budget=16, topk=2, block_size=16, draft_window=None), "Initialized DDTree worker. block_size=16, tree_budget=16, topk=2, draft_window_size=None, compact_cache=False", id="ddtree-no-window"),
         pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8), "Initialized DDTree worker. block_size=8, tree_budget=7, topk=1, draft_window_size=2048, compact_cache=True", id="dflash"),
         pytest.param(SpecConfig(Algorithm.NONE), "Initialized AR worker.", id="ar"),
+        pytest.param(SpecConfig(budget="auto"), "Initialized DDTree worker. block_size=8, tree_budget=auto, topk=4, draft_window_size=2048, compact_cache=True", id="ddtree-auto"),
     ],
 )
 def test_init_line(spec: SpecConfig, line: str) -> None:
@@ -615,11 +637,34 @@ def test_resolve_args_defaults_follow_sglang(tmp_path: Any) -> None:
     assert (args.speculative_ddtree_budget, args.speculative_ddtree_topk, args.spec.draft_window) == (7, 1, None)
 
 
+def test_resolve_args_accepts_an_auto_budget(tmp_path: Any) -> None:
+    from ddtree.serving.args import resolve_args
+
+    target, drafter = _folders(tmp_path, {"block_size": 8})
+    base = ["--model-path", target, "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", drafter,
+            "--device", "cpu"]
+    args = resolve_args([*base, "--speculative-ddtree-budget", "auto"])
+    assert args.speculative_ddtree_budget == "auto" and args.spec.id == "bauto-k4-w2048-bs8"
+    assert resolve_args([*base, *args.spec.server_args()]).spec == args.spec, "server_args() round-trips"
+    capped = resolve_args([*base, "--speculative-ddtree-budget", "AUTO", "--speculative-ddtree-max-budget", "16"])
+    assert capped.spec.id == "bauto16-k4-w2048-bs8" and capped.to_dict()["speculative_ddtree_max_budget"] == 16
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    with_profile = resolve_args([*base, "--speculative-ddtree-budget", "auto", "--speculative-ddtree-cost-profile",
+                                 str(profile)])
+    assert with_profile.speculative_ddtree_cost_profile == str(profile)
+
+
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
         pytest.param(["--speculative-ddtree-budget", "0"], "--speculative-ddtree-budget", id="budget-zero"),
         pytest.param(["--speculative-ddtree-topk", "0"], "--speculative-ddtree-topk", id="topk-zero"),
+        pytest.param(["--speculative-ddtree-budget", "most"], "--speculative-ddtree-budget", id="budget-word"),
+        pytest.param(["--speculative-ddtree-budget", "auto", "--speculative-ddtree-max-budget", "64"],
+                     "--speculative-ddtree-max-budget", id="auto-cap-past-63"),
+        pytest.param(["--speculative-ddtree-budget", "auto", "--speculative-ddtree-cost-profile", "/no/such.json"],
+                     "--speculative-ddtree-cost-profile", id="auto-missing-profile"),
         pytest.param(["--speculative-draft-window-size", "4"], "--speculative-draft-window-size", id="window-below-block"),
         pytest.param(["--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens", id="block-one"),
         pytest.param(["--max-running-requests", "0"], "--max-running-requests", id="no-running-requests"),

@@ -131,3 +131,22 @@ def test_missing_setting_is_a_mismatch() -> None:
     result = compare_settings(DEFAULT, {"speculative_algorithm": "ddtree"})
     assert result["algorithm"]["ok"] and result["budget"]["reported"] == "<missing>"
     assert not result["budget"]["ok"]
+
+
+def test_auto_budget_deployment_verifies_from_settings_and_init_line() -> None:
+    """budget auto: /server_info reports "auto" and the init line says tree_budget=auto; a fixed 8 is a mismatch."""
+    from ddtree.server import init_line
+
+    auto = SpecConfig(budget="auto")
+    reported = {"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": "AUTO",
+                "speculative_ddtree_topk": 4, "speculative_num_draft_tokens": 8,
+                "speculative_draft_window_size": 2048}
+    assert all(v["ok"] for v in compare_settings(auto, reported).values())
+    assert not compare_settings(DEFAULT, reported)["budget"]["ok"]
+    checked, line, error = compare_init_line(auto, "loading\n" + init_line(auto) + "\n")
+    assert error is None and line is not None and "tree_budget=auto" in line
+    assert all(v["ok"] for v in checked.values()) and checked["tree_budget"]["reported"] == "auto"
+    checked, _, _ = compare_init_line(auto, init_line(DEFAULT))
+    assert not checked["tree_budget"]["ok"]
+    checked, _, _ = compare_init_line(DEFAULT, init_line(auto))
+    assert not checked["tree_budget"]["ok"]
