@@ -244,7 +244,7 @@ def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts:
             positions = starts[:, None] + torch.arange(n, device=device)  # [bs, n]
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)  # [bs, n, n]
 
-            def verify_once(ids=ids, positions=positions, mask=mask) -> object:
+            def verify_once(ids=ids, positions=positions, mask=mask, cache=cache, n=n) -> object:
                 return target.forward(ids, positions, cache, mask, engine.tap_layers, kv_len_hint=context + n)
 
             row_times.append(_timed(verify_once, device, repeats))

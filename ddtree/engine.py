@@ -20,13 +20,12 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from ddtree.budget import (VerifyCostModel, choose_budget, default_node_counts, default_row_counts,
-                           measure_verify_cost, truncate_trees)
+from ddtree.budget import VerifyCostModel, choose_budget, default_node_counts, default_row_counts, measure_verify_cost, truncate_trees
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, RequestError
 from ddtree.sampling import choose_tokens_no_sync

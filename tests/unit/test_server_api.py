@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import Request
+from ddtree.server import create_app, init_line
 from ddtree.serving.args import ServerArgs
 from ddtree.serving.state import ServerState
-from ddtree.server import create_app, init_line
 from ddtree.text import TextCodec
 from tests.unit.server_fakes import FakeEngine, expected_output
 
