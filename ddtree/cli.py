@@ -43,7 +43,9 @@ def _add_spec_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("config (an id, or fields; unset fields take the default b8-k4-w2048-bs8)")
     g.add_argument("--config", metavar="ID", help="config id, e.g. b8-k4-w2048-bs8, dflash-w2048-bs8, ar")
     g.add_argument("--algorithm", choices=[a.value for a in Algorithm], type=str.upper)
-    g.add_argument("--budget", type=int, help="tree budget (non-root nodes verified per round)")
+    g.add_argument("--budget", type=lambda v: v if v == "auto" else int(v),
+                   help="tree budget (non-root nodes verified per round), or auto")
+    g.add_argument("--max-budget", type=int, help="with --budget auto: the largest tree (default 32)")
     g.add_argument("--topk", type=int, help="candidates kept per depth")
     g.add_argument("--block-size", type=int, help="drafter block size (--speculative-num-draft-tokens)")
     g.add_argument("--window", help="draft window: an integer >= block size, or none")
@@ -98,7 +100,7 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig:
     if args.action == "restore-default":
         return SpecConfig.from_id(args.default)
     fields = {"algorithm": args.algorithm, "budget": args.budget, "topk": args.topk,
-              "block_size": args.block_size, "draft_window": args.window}
+              "block_size": args.block_size, "draft_window": args.window, "max_budget": args.max_budget}
     given = {k: v for k, v in fields.items() if v is not None}
     if args.config is not None:
         if given:

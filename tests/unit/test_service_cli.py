@@ -53,6 +53,12 @@ def test_fields_fill_in_from_the_default() -> None:
     assert cli.spec_from_args(args) == SpecConfig(budget=16, draft_window=None)
 
 
+def test_budget_auto_and_its_cap() -> None:
+    args = cli.build_parser().parse_args(["service", "verify", "--budget", "auto", "--max-budget", "16"])
+    assert cli.spec_from_args(args) == SpecConfig(budget="auto", max_budget=16)
+    assert cli.spec_from_args(args).id == "bauto16-k4-w2048-bs8"
+
+
 def test_verify_prints_each_check_and_exits_0(running: FakeBackend, capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["service", "verify", "--config", "b8-k4-w2048-bs8", "--backend", "url",
                      "--url", running.base_url])
