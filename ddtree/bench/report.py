@@ -17,6 +17,8 @@ the higher total score, then to the id.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -217,12 +219,26 @@ def render_summary(cells: Sequence[CellResult], default_id: str,
     return "\n".join(lines)
 
 
+def with_quality(results_dir: str | Path, cells: Sequence[CellResult]) -> list[CellResult]:
+    """Attach the coding gate's result (quality/<config id>.json, written per config) to its cells."""
+    folder = Path(results_dir) / "quality"
+    gates: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable quality record ({err})") from err
+        gates[str(record.get("config_id", path.stem))] = record
+    return [c if c.quality or c.config_id not in gates else dataclasses.replace(c, quality=gates[c.config_id])
+            for c in cells]
+
+
 def write_sweep_summary(results_dir: str | Path, default_config_id: str,
                         restore: dict[str, Any] | None) -> Path:
     """Write sweep_summary.md from the cell files; a given `restore` is also kept in restore.json."""
     if restore is not None:
         write_restore(results_dir, restore)
-    text = render_summary(read_cells(results_dir), default_config_id, restore)
+    text = render_summary(with_quality(results_dir, read_cells(results_dir)), default_config_id, restore)
     path = Path(results_dir) / SUMMARY_MD
     atomic_write_text(path, text)
     return path

@@ -106,3 +106,16 @@ def test_sweep_report_command_rebuilds_from_files(tmp_path: Path,
     assert "sweep_summary.md" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing")])
+
+
+def test_the_coding_gate_of_each_config_shows_in_its_rows(tmp_path: Path) -> None:
+    for c in grid():
+        write_cell(tmp_path, c)
+    (tmp_path / "quality").mkdir()
+    (tmp_path / "quality" / f"{CHAIN}.json").write_text(
+        '{"config_id": "%s", "k": 1, "n": 2, "pass_at_k": 0.75, "accept_length": 2.1}' % CHAIN)
+    text = write_sweep_summary(tmp_path, DEFAULT, None).read_text()
+    chain_rows = [line for line in text.splitlines() if line.startswith(f"| {CHAIN} ")]
+    assert len(chain_rows) == 4 and all("0.750 (k=1, n=2)" in row for row in chain_rows)
+    other_rows = [line for line in text.splitlines() if line.startswith(f"| {BIG} ")]
+    assert other_rows and all("| - |" in row for row in other_rows)  # no gate ran for BIG
