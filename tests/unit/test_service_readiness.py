@@ -49,7 +49,7 @@ def test_dead_process_fails_at_once_with_log_tail(make_backend: MakeBackend) -> 
     with pytest.raises(ServiceStartError) as info:
         wait_ready(backend, timeout_s=120, poll_s=0.1)
     took = time.monotonic() - started
-    assert took < 5, f"death reported after {took:.1f} s; it must not wait for the 120 s timeout"
+    assert took < 15, f"death reported after {took:.1f} s; it must not wait for the 120 s timeout"
     assert "exited with code 3" in str(info.value)
     assert "simulated crash" in info.value.log_tail
 
@@ -61,7 +61,7 @@ def test_timeout_reports_elapsed_last_status_and_tail(make_backend: MakeBackend)
     with pytest.raises(ServiceStartError) as info:
         wait_ready(backend, timeout_s=1.5, poll_s=0.1)
     took = time.monotonic() - started
-    assert 1.5 <= took < 4, f"timed out after {took:.1f} s, timeout was 1.5 s"
+    assert 1.5 <= took < 10, f"timed out after {took:.1f} s, timeout was 1.5 s"
     message = str(info.value)
     assert "not ready after 1." in message and "timeout 1.5 s" in message and "last status 503" in message
     assert "Initialized DDTree worker." in info.value.log_tail
