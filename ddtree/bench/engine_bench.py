@@ -1,0 +1,319 @@
+"""The engine-level benchmark: AR, DFLASH and DDTREE side by side, in one process, per (context, batch) cell.
+
+    python -m ddtree.bench --target fixtures/models/target --drafter fixtures/models/drafter \
+        --concurrency 1 8 32 --contexts 60 1024 4096 --max-new-tokens 128 --repeats 3 --device cuda \
+        --out results.json --markdown engine_bench.md
+
+Every config of a cell decodes the same `concurrency` prompts (held-out code cut to `context` tokens,
+tiled when there are fewer long-enough files) in one `Engine.generate` batch: one warm-up generate,
+left out, then `repeats` timed runs (the device is synchronised before each clock read), median wall.
+A row reports output tok/s, tau (mean accepted length per round), the speed-up over AR in the same
+cell, efficiency = speed-up / tau, the round time split from the engine's stage timers and, for an
+auto budget, the mean chosen tree size. Every output must equal AR's at T = 0 ("lossless"); the exit
+status is 1 when one does not. `--shape 1b` benchmarks a random-weight ~1B pair instead (built once
+by ddtree.bench.random_models): there only the timings mean something.
+
+Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.bench.acceptance).
+The stage timers synchronise at each stage boundary on CUDA (Engine.generate always profiles), so the
+wall times include those syncs for every config alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddtree.bench.acceptance import heldout_files, heldout_prompts
+from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count
+from ddtree.config import SpecConfig
+from ddtree.engine import Engine, GenerationResult
+from ddtree.errors import ConfigError
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
+FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
+DEFAULT_RANDOM_DIR = Path.home() / ".cache" / "ddtree" / "random-models"
+# AR, the DFlash chain, DDTREE over budget x topk at window 2048 / block 8, and the auto budget.
+DEFAULT_CONFIGS = ["ar", "dflash-w2048-bs8",
+                   *[f"b{b}-k{k}-w2048-bs8" for b in (4, 8, 12, 16, 32, 64) for k in (4, 8)],
+                   "bauto-k4-w2048-bs8"]
+ROUND_STAGES = ("draft", "build", "verify", "walk", "compact")
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Cell:
+    context: int  # prompt tokens
+    concurrency: int  # prompts decoded together in one batch
+
+
+def parse_configs(ids: list[str]) -> list[SpecConfig]:
+    """SpecConfigs for the ids, AR first (the baseline every row is compared with), duplicates dropped.
+
+    Raises ConfigError naming every id that does not parse, before anything is loaded.
+    """
+    specs: list[SpecConfig] = []
+    bad: list[str] = []
+    for config_id in ids:
+        try:
+            specs.append(SpecConfig.from_id(config_id))
+        except ConfigError:
+            bad.append(config_id)
+    if bad:
+        raise ConfigError(f"--configs: unknown config id(s) {bad}; allowed forms: 'ar', "
+                          "'dflash-w<window|none>-bs<block>', 'b<budget|auto>-k<topk>-w<window|none>-bs<block>'")
+    specs.insert(0, SpecConfig.from_id("ar"))
+    unique = {s.id: s for s in specs}
+    return list(unique.values())
+
+
+def _check_positive(flag: str, values: list[int]) -> None:
+    for v in values:
+        if v < 1:
+            raise ConfigError(f"{flag}: {v} is out of range (allowed >= 1)")
+
+
+@cache
+def _distinct_prompts(target_dir: Path, want: int, context: int) -> tuple[tuple[int, ...], ...]:
+    """Up to `want` held-out prompts of exactly `context` tokens, one per file (fewer if files run out)."""
+    count = min(want, len(heldout_files(target_dir)))
+    while count >= 1:
+        try:  # heldout_prompts exits when the files run short; ask for fewer
+            return tuple(tuple(p) for p in heldout_prompts(target_dir, count, context))
+        except SystemExit:
+            count //= 2
+    return ()
+
+
+def cell_prompts(target_dir: Path, cell: Cell) -> list[list[int]]:
+    """`cell.concurrency` prompts of `cell.context` tokens, tiling the distinct ones; [] if there are none."""
+    distinct = _distinct_prompts(Path(target_dir), cell.concurrency, cell.context)
+    return [list(distinct[i % len(distinct)]) for i in range(cell.concurrency)] if distinct else []
+
+
+def check_prompt_source(target_dir: Path) -> None:
+    """The prompts come from the held-out files named in the target's card, tokenized by its tokenizer."""
+    if not (target_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"--target: {target_dir} has no tokenizer.json (the prompts are tokenized with it)")
+    if not (target_dir / "README.md").is_file() or not heldout_files(target_dir):
+        raise ConfigError(f"--target: {target_dir}/README.md names no held-out file of this Python's stdlib "
+                          "(a '- Held out ...: a.py, b.py' line, as the fixture cards have)")
+
+
+def skip_reason(engine: Engine, cell: Cell, max_new_tokens: int) -> str | None:
+    """Why a cell cannot run on this engine, or None."""
+    need = cell.context + max_new_tokens
+    if need > engine.max_context:
+        return (f"context {cell.context} + max_new_tokens {max_new_tokens} = {need} exceeds the model's "
+                f"context length ({engine.max_context})")
+    return None
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def measure_config(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
+                   repeats: int, warmup_tokens: int) -> dict[str, Any]:
+    """One warm-up generate (left out), then `repeats` timed ones; the row's numbers and every output."""
+    engine.generate(prompts, min(warmup_tokens, max_new_tokens), spec=spec, ignore_eos=True)
+    walls: list[float] = []
+    runs: list[list[GenerationResult]] = []
+    for _ in range(repeats):
+        _sync(engine)
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, max_new_tokens, spec=spec, ignore_eos=True)
+        _sync(engine)
+        walls.append(time.perf_counter() - t0)
+        runs.append(results)
+    wall = statistics.median(walls)
+    tokens = sum(len(r.token_ids) for r in runs[0])
+    accepts = [a for results in runs for r in results for a in r.accept_lengths]
+    budgets = [b for results in runs for r in results for b in r.budgets]
+    # a batch's timings are its totals (every result of a generate carries the same dict)
+    stage = {s: sum(results[0].timings.get(s, 0.0) for results in runs) for s in (*ROUND_STAGES, "prefill")}
+    round_total = sum(stage[s] for s in ROUND_STAGES)
+    return {
+        "config": spec.id,
+        "algorithm": spec.algorithm.value,
+        "tokens": tokens,
+        "wall_s": wall,
+        "wall_s_runs": walls,
+        "tok_per_s": tokens / wall if wall > 0 else 0.0,
+        "tau": sum(accepts) / len(accepts) if accepts else 1.0,
+        "mean_budget": sum(budgets) / len(budgets) if budgets else None,
+        "prefill_s": stage["prefill"] / repeats,
+        "share": {s: (stage[s] / round_total if round_total > 0 else 0.0) for s in ROUND_STAGES},
+        "outputs": [[r.token_ids for r in results] for results in runs],
+    }
+
+
+def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig], cell: Cell,
+               max_new_tokens: int, repeats: int, warmup_tokens: int) -> list[dict[str, Any]]:
+    """Every config on the cell's prompts; AR (specs[0]) first, each row compared with it."""
+    rows: list[dict[str, Any]] = []
+    reference: list[list[int]] | None = None
+    ar_tps = 0.0
+    for spec in specs:
+        row = measure_config(engine, prompts, spec, max_new_tokens, repeats, warmup_tokens)
+        outputs = row.pop("outputs")
+        if reference is None:  # AR: the reference output and speed of this cell
+            reference, ar_tps = outputs[0], row["tok_per_s"]
+        mismatched = sorted({i for run in outputs for i, out in enumerate(run) if out != reference[i]})
+        speedup = row["tok_per_s"] / ar_tps if ar_tps > 0 else 0.0
+        row.update(context=cell.context, concurrency=cell.concurrency, speedup=speedup,
+                   efficiency=speedup / row["tau"], lossless=not mismatched, mismatched_prompts=mismatched)
+        rows.append(row)
+        print(f"  [ctx {cell.context} x {cell.concurrency}] {row['config']:22} {row['tok_per_s']:9.1f} tok/s  "
+              f"tau {row['tau']:5.2f}  x{speedup:5.2f}  {'lossless' if row['lossless'] else 'MISMATCH'}", flush=True)
+    return rows
+
+
+# -- output --------------------------------------------------------------------------------------
+_COLUMNS = ("config", "tok/s", "tau", "speed-up", "eff", "budget", *[f"{s}%" for s in ROUND_STAGES], "lossless")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    budget = "-" if row["mean_budget"] is None else f"{row['mean_budget']:.1f}"
+    shares = [f"{100 * row['share'][s]:.0f}" for s in ROUND_STAGES]
+    return [row["config"], f"{row['tok_per_s']:.1f}", f"{row['tau']:.2f}", f"{row['speedup']:.2f}",
+            f"{row['efficiency']:.2f}", budget, *shares, "yes" if row["lossless"] else "NO"]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """An aligned text table of one cell's rows."""
+    table = [list(_COLUMNS), *[_cells(r) for r in rows]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in table)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """Every cell as a markdown table, ready for docs/perf.md."""
+    meta = report["meta"]
+    lines = [f"Engine benchmark: {meta['shape_label']}; {meta['device_name']}, torch {meta['torch']}, "
+             f"{meta['dtype']}, {meta['max_new_tokens']} new tokens, median of {meta['repeats']}, {meta['date']}.",
+             "", f"`{meta['command']}`", ""]
+    for context, concurrency in sorted({(r["context"], r["concurrency"]) for r in report["rows"]}):
+        rows = [r for r in report["rows"] if (r["context"], r["concurrency"]) == (context, concurrency)]
+        lines += [f"#### context {context}, concurrency {concurrency}", "", "| " + " | ".join(_COLUMNS) + " |",
+                  "|" + "|".join("---" if i == 0 else "---:" for i in range(len(_COLUMNS))) + "|"]
+        lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+        lines.append("")
+    lines += [f"Skipped: context {s['context']} x {s['concurrency']}: {s['reason']}" for s in report["skipped"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+# -- entry ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=FIXTURE_TARGET, help="target folder (--shape fixture)")
+    p.add_argument("--drafter", type=Path, default=FIXTURE_DRAFTER, help="drafter folder (--shape fixture)")
+    p.add_argument("--shape", default="fixture", choices=["fixture", *SHAPES],
+                   help="fixture: the --target/--drafter pair; 1b (or tiny): a random-weight pair of that shape")
+    p.add_argument("--random-model-dir", type=Path, default=DEFAULT_RANDOM_DIR,
+                   help="where random-weight pairs are built once and reused (one subfolder per shape)")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="ID")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], metavar="N")
+    p.add_argument("--contexts", nargs="+", type=int, default=[60, 1024, 4096], metavar="TOKENS")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each warm-up generate")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the config's dtype on GPU, float32 on CPU")
+    p.add_argument("--out", type=Path, help="JSON file of every row (rewritten after each cell)")
+    p.add_argument("--markdown", type=Path, help="write the tables as markdown here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:  # everything checkable is checked before a model is loaded
+        specs = parse_configs(args.configs)
+        _check_positive("--concurrency", args.concurrency)
+        _check_positive("--contexts", args.contexts)
+        _check_positive("--max-new-tokens", [args.max_new_tokens])
+        _check_positive("--repeats", [args.repeats])
+        _check_positive("--warmup-tokens", [args.warmup_tokens])
+    except ConfigError as err:
+        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
+        return 2
+
+    target_dir, drafter_dir = args.target, args.drafter
+    shape_label = f"fixture pair ({target_dir.name})"
+    if args.shape != "fixture":
+        folder = args.random_model_dir / args.shape
+        print(f"random-weight {args.shape} pair: {folder} (built once)", flush=True)
+        target_dir, drafter_dir = build_random_pair(folder, args.shape, device=args.device)
+        n = parameter_count(folder)
+        size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+        shape_label = f"{args.shape}: RANDOM WEIGHTS, {size}-parameter target (acceptance means nothing; timings only)"
+    try:
+        check_prompt_source(target_dir)
+    except ConfigError as err:
+        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
+        return 2
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype])
+    dtype = str(next(engine.target.parameters()).dtype).removeprefix("torch.")
+    report: dict[str, Any] = {
+        "meta": {
+            "device": str(engine.device), "device_name": _device_name(engine.device), "torch": torch.__version__,
+            "dtype": dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", "ddtree.bench", *argv]), "shape": args.shape,
+            "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
+            "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "warmup_tokens": args.warmup_tokens,
+        },
+        "rows": [], "skipped": [],
+    }
+    print(f"{shape_label}; {report['meta']['device_name']}, {dtype}; {len(specs)} configs", flush=True)
+    for context in args.contexts:
+        for concurrency in args.concurrency:
+            cell = Cell(context, concurrency)
+            reason = skip_reason(engine, cell, args.max_new_tokens)
+            prompts = [] if reason else cell_prompts(target_dir, cell)
+            if not reason and not prompts:
+                reason = f"no held-out file of {context}+ tokens under {target_dir}"
+            if reason:
+                print(f"skip context {context} x {concurrency}: {reason}", flush=True)
+                report["skipped"].append({"context": context, "concurrency": concurrency, "reason": reason})
+                continue
+            rows = bench_cell(engine, prompts, specs, cell, args.max_new_tokens, args.repeats, args.warmup_tokens)
+            report["rows"] += rows
+            print(f"\ncontext {context}, concurrency {concurrency}\n{format_table(rows)}\n", flush=True)
+            _write(args, report)
+    _write(args, report)
+    bad = [f"{r['config']} (context {r['context']} x {r['concurrency']})" for r in report["rows"] if not r["lossless"]]
+    if bad:
+        print(f"NOT LOSSLESS against AR at T=0: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(format_markdown(report))
