@@ -513,8 +513,13 @@ class Engine:
         return cached
 
     def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
-                   profile: bool = True, prefill_tokens: int = PREFILL_TOKENS) -> DecodeBatch:
+                   profile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS) -> DecodeBatch:
+        """profile: synchronise the device around each stage so the per-stage timings are exact.
+        None (the default) = only where that is free (the CPU); on CUDA the stage clocks then time
+        the host's enqueueing, and the round runs without waiting on the device."""
         max_len = max_len if max_len is not None else self.max_context + spec.max_nodes
+        if profile is None:
+            profile = self.device.type != "cuda"
         return DecodeBatch(self, spec, max_batch, max_len, profile=profile, prefill_tokens=prefill_tokens)
 
     @torch.inference_mode()
@@ -528,13 +533,15 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         max_batch: int | None = None,
+        profile: bool | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (a list of ids) or several (a list of lists) in one batch."""
         spec = spec if spec is not None else SpecConfig()
         single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
         prompts = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
         longest = max(len(p) for p in prompts)
-        batch = self.open_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes)
+        batch = self.open_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
+                                profile=profile)
         reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos)
                 for i, p in enumerate(prompts)]
         for r in reqs:  # validate every request before any forward pass
