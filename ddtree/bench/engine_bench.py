@@ -4,6 +4,12 @@
         --concurrency 1 8 32 --contexts 60 1024 4096 --max-new-tokens 128 --repeats 3 --device cuda \
         --out results.json --markdown engine_bench.md
 
+    # verify cost against tree size and batch on a random ~1B target (fits one 10-minute GPU call)
+    python -m ddtree.bench --shape 1b --random-model-dir /tmp/ddtree-random --device cuda \
+        --configs ar dflash-w2048-bs8 b8-k4-w2048-bs8 b16-k4-w2048-bs8 b32-k8-w2048-bs8 b64-k8-w2048-bs8 \
+        bauto-k4-w2048-bs8 --contexts 1024 4096 --concurrency 1 8 32 --max-new-tokens 64 --repeats 2 \
+        --out engine_bench_1b.json --markdown engine_bench_1b.md
+
 Every config of a cell decodes the same `concurrency` prompts (held-out code cut to `context` tokens,
 tiled when there are fewer long-enough files) in one `Engine.generate` batch: one warm-up generate,
 left out, then `repeats` timed runs (the device is synchronised before each clock read), median wall.
