@@ -1,4 +1,4 @@
-"""The engine-level benchmark: AR, DFLASH and DDTREE side by side, in one process, per (context, batch) cell.
+r"""The engine-level benchmark: AR, DFLASH and DDTREE side by side, in one process, per (context, batch) cell.
 
     python -m ddtree.bench --target fixtures/models/target --drafter fixtures/models/drafter \
         --concurrency 1 8 32 --contexts 60 1024 4096 --max-new-tokens 128 --repeats 3 --device cuda \
