@@ -14,21 +14,18 @@ from torch import nn
 
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.models.configs import DrafterConfig, TargetConfig
-from ddtree.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
 from ddtree.models.target import Target, init_weights_
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(GQAProjections):
+    """Qwen3-style attention with q/k norms always on (z-lab's drafters have them)."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True)
+        self.q_norm: RMSNorm
+        self.k_norm: RMSNorm
 
     def query(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # h[bs, n, D] -> q[bs, H, n, d]
@@ -42,10 +39,6 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(h).view(bs, n, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(h).view(bs, n, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
-
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        bs, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
 
 
 class DraftLayer(nn.Module):

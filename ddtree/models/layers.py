@@ -68,6 +68,27 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GQAProjections(nn.Module):
+    """The q/k/v/o projections of grouped-query attention (HF weight names), optional per-head q/k
+    RMSNorm, and the output projection; the target's and the drafter's attention share them."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        # o[bs, H, q, d] -> [bs, q, D]
+        bs, _, n, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention through SDPA with a boolean mask (True = may attend).
 

@@ -14,20 +14,13 @@ from torch import nn
 
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
 
 
-class Attention(nn.Module):
+class Attention(GQAProjections):
     def __init__(self, cfg: TargetConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.rms_norm_eps, cfg.attention_bias, qk_norm=cfg.qk_norm)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -41,11 +34,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        # o[bs, H, q, d] -> [bs, q, D]
-        bs, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
