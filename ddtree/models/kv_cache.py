@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.errors import RequestError
+from ddtree.kernels.kv_compact import compact_kv
 
 
 class KVCache:
@@ -94,19 +95,11 @@ class KVCache:
     def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
         """Keep accepted tree nodes: slot lengths[b]+src[b,j] -> lengths[b]+j for j < counts[b]; lengths += counts.
 
-        src[bs, m] long, counts[bs] long. All layers, K and V, in one gather and one scatter; the
-        gather copies first, so overlapping source and destination slots never alias. Entries with
-        j >= counts[b] are turned into no-op moves (slot onto itself).
+        src[bs, m] long, counts[bs] long. All layers, K and V at once (ddtree.kernels.compact_kv: the
+        Triton kernel on CUDA, which skips identity moves, else a torch gather then scatter); overlapping
+        source and destination slots never alias. Entries with j >= counts[b] are no-op moves.
         """
-        bs, m = src.shape
-        j = torch.arange(m, device=self.device)[None, :]  # [1, m]
-        src = torch.where(j < counts[:, None], src, j)  # [bs, m]
-        rows = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
-        from_slots = self.lengths[:, None] + src  # [bs, m]
-        to_slots = self.lengths[:, None] + j  # [bs, m]
-        for buf in (self.k, self.v):
-            moved = buf[:, rows, :, from_slots]  # [bs, m, layers, kv, d] (a copy)
-            buf[:, rows, :, to_slots] = moved
+        compact_kv(self.k, self.v, self.lengths, src, counts.to(self.lengths))  # Triton on CUDA, else torch
         self.lengths += counts.to(self.lengths)
 
     def reset(self, rows: torch.Tensor) -> None:

@@ -1,17 +1,24 @@
 """The target decoder (Qwen3 / Llama family) over a compactable KV cache; no decoding policy.
 
 One `forward` serves prefill (q = prompt length, rows right-padded), one-token decode (q = 1)
-and tree verify (q = n + 1 with an ancestor-or-self `tree_mask`). The attention mask is built
-on the device from `cache.lengths` with no host sync; taps follow the z-lab convention
-(tap k = output of decoder layer k = HF hidden_states[k + 1]).
+and tree verify (q = n + 1 with an ancestor-or-self `tree_mask`). Attention runs one of two ways:
+"sdpa" builds a dense mask over the first kv_len slots on the device (any q; kv_len is a host
+bound), while "triton" / "reference" call ddtree.kernels.tree_attention, which reads each row's
+prefix up to cache.lengths on the device with the tree's packed ancestor bitmask (q <= 256): no
+host-known bound at all, so the forward has static shapes and can be captured in a CUDA graph.
+Taps follow the z-lab convention (tap k = output of decoder layer k = HF hidden_states[k + 1]).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels.bitmask import causal_bitmask, pack_mask
+from ddtree.kernels.tree_attention import MAX_TREE_NODES, tree_attention
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
@@ -78,6 +85,21 @@ def build_kv_mask(
     return mask[:, None]
 
 
+AttentionPath = Literal["sdpa", "triton", "reference"]
+ATTENTION_CHOICES: tuple[str, ...] = ("sdpa", "triton", "reference")
+
+
+def verify_bitmask(bs: int, n_q: int, tree_mask: torch.Tensor | None, tree_bitmask: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor:
+    """The packed ancestor-or-self words for a kernel forward: given, packed from tree_mask, or causal."""
+    if tree_bitmask is not None:
+        return tree_bitmask
+    if tree_mask is not None:
+        return pack_mask(tree_mask.to(torch.bool))
+    causal = causal_bitmask(n_q, device)
+    return causal.expand(bs, *causal.shape)
+
+
 class Target(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
@@ -126,24 +148,35 @@ class Target(nn.Module):
         tap_layers: list[int] | None = None,
         kv_len_hint: int | None = None,
         logit_positions: torch.Tensor | None = None,
+        attention: AttentionPath = "sdpa",
+        tree_bitmask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids/position_ids[bs, q], tree_mask[bs, q, q] bool -> (logits[bs, q, V] f32, taps[bs, q, T*D]).
 
         Writes K/V at slots lengths[b] + j, never advances lengths. kv_len_hint: a python int
-        >= max(lengths) + q that bounds the attention to the slots in use (default: the exact
-        bound when lengths is on the CPU, else max_len). logit_positions[bs, k] long: only
-        return logits at those query indices ([bs, k, V]), e.g. the last real token of a prefill.
+        >= max(lengths) + q that bounds the "sdpa" attention to the slots in use (default: the exact
+        bound when lengths is on the CPU, else max_len); the kernel paths ignore it. logit_positions[bs, k]
+        long: only return logits at those query indices ([bs, k, V]), e.g. the last real token of a prefill.
+        attention: "sdpa", or a tree_attention backend ("triton" / "reference", q <= 256 tokens), which
+        takes tree_bitmask (packed words, see ddtree.kernels.bitmask) or packs tree_mask (None: causal).
         """
         bs, n_q = input_ids.shape
         self._check_taps(tap_layers)
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_CHOICES}")
+        if attention != "sdpa" and n_q > MAX_TREE_NODES:
+            raise ValueError(f"attention: {attention!r} verifies at most {MAX_TREE_NODES} tokens per row, got {n_q}")
         cache.check_room(n_q, kv_len_hint)
-        if kv_len_hint is not None:
-            kv_len = kv_len_hint
-        elif cache.lengths.device.type == "cpu":
-            kv_len = int(cache.lengths.max()) + n_q  # free on the CPU: no device to sync with
+        mask = bitmask = None
+        kv_len = cache.max_len
+        if attention == "sdpa":
+            if kv_len_hint is not None:
+                kv_len = kv_len_hint
+            elif cache.lengths.device.type == "cpu":
+                kv_len = int(cache.lengths.max()) + n_q  # free on the CPU: no device to sync with
+            mask = build_kv_mask(cache.lengths, n_q, kv_len, tree_mask)  # [bs, 1, q, S]
         else:
-            kv_len = cache.max_len
-        mask = build_kv_mask(cache.lengths, n_q, kv_len, tree_mask)  # [bs, 1, q, S]
+            bitmask = verify_bitmask(bs, n_q, tree_mask, tree_bitmask, input_ids.device)
         cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed(input_ids)  # [bs, q, D]
         taps: dict[int, torch.Tensor] = {}
@@ -152,8 +185,14 @@ class Target(nn.Module):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.qkv(h, cos, sin)
             cache.write(i, k, v)
-            k_all, v_all = cache.view(i, kv_len)
-            x = x + layer.self_attn.out(attend(q, k_all, v_all, mask))
+            if bitmask is None:
+                k_all, v_all = cache.view(i, kv_len)
+                o = attend(q, k_all, v_all, mask)
+            else:  # the new rows already sit in the cache at lengths[b] + j
+                k_all, v_all = cache.view(i, cache.max_len)
+                o = tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
+                                   backend=attention)
+            x = x + layer.self_attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 taps[i] = x
