@@ -17,6 +17,7 @@ choice and the truncation are pure tensor code.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -200,13 +201,21 @@ def default_node_counts(max_budget: int) -> list[int]:
     return sorted({min(2, top), *[(1 << i) + 1 for i in range(1, 7) if (1 << i) + 1 < top], top})
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs after one warm-up; the device syncs around each clock read."""
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int, graphed: bool = False) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up; the device syncs around each clock read.
+
+    graphed: time replays of fn captured as a CUDA graph, as a graphed engine round runs it.
+    """
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    fn()  # warm-up (allocator, kernels), left out
+    if graphed:
+        from ddtree.cuda_graphs import GraphCache
+
+        graphs, eager = GraphCache(device), fn
+        fn = functools.partial(graphs.run, "timed", eager)
+    fn()  # warm-up (allocator, kernels; the capture when graphed), left out
     times = []
     for _ in range(repeats):
         sync()
@@ -224,13 +233,15 @@ def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts:
     """Time the engine's target verify (and drafter + build) forwards on a `context`-token prefix.
 
     The caches are not filled by a prefill: their lengths are set to `context` and the stored K/V
-    stays zero, since the time of a forward does not depend on the values it attends to.
+    stays zero, since the time of a forward does not depend on the values it attends to. Forwards run
+    the way the engine's rounds do: its attention path, and captured as CUDA graphs when it uses them.
     """
     if context < 1:
         raise ConfigError(f"context: {context} is out of range (allowed >= 1)")
     rows = sorted(set(int(b) for b in batch_sizes))
     nodes = sorted(set(int(n) for n in node_counts))
     device, target, drafter = engine.device, engine.target, engine.drafter
+    graphed, attention = engine.cuda_graphs, engine.attention
     gen = torch.Generator().manual_seed(0)
     verify: list[tuple[float, ...]] = []
     draft: list[float] = []
@@ -245,29 +256,31 @@ def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts:
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)  # [bs, n, n]
 
             def verify_once(ids=ids, positions=positions, mask=mask, cache=cache, n=n) -> object:
-                return target.forward(ids, positions, cache, mask, engine.tap_layers, kv_len_hint=context + n)
+                return target.forward(ids, positions, cache, mask, engine.tap_layers,
+                                      kv_len_hint=None if graphed else context + n, attention=attention)
 
-            row_times.append(_timed(verify_once, device, repeats))
+            row_times.append(_timed(verify_once, device, repeats, graphed))
         verify.append(tuple(row_times))
         draft.append(_time_draft(engine, bs, context, block_size, draft_window, topk, nodes[-1] - 1, repeats, gen)
                      if drafter is not None else 0.0)
     meta = {"device": str(device), "context": context, "block_size": block_size, "topk": topk,
-            "draft_window": draft_window, "repeats": repeats}
+            "draft_window": draft_window, "repeats": repeats, "attention": attention, "cuda_graphs": graphed}
     return VerifyCostModel(tuple(rows), tuple(nodes), tuple(verify), tuple(draft), meta)
 
 
 def _time_draft(engine: Engine, bs: int, context: int, block_size: int, draft_window: int | None, topk: int,
                 max_budget: int, repeats: int, gen: torch.Generator) -> float:
     """C_d for `bs` rows: one drafter forward on [bonus, MASK...] plus build_trees at max_budget."""
-    device, drafter = engine.device, engine.drafter
-    ctx = drafter.new_context(bs, draft_window, context + block_size)
+    device, drafter, graphed = engine.device, engine.drafter, engine.cuda_graphs
+    # graphed rounds attend to the drafter's whole window (a static shape): size it as a batch would
+    ctx = drafter.new_context(bs, draft_window, engine.max_context + block_size if graphed else context + block_size)
     ctx.total.fill_(context)  # a full context of zero K/V: same attention work as a real one
     block_ids = torch.full((bs, block_size), engine.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = torch.randint(engine.vocab_size, (bs,), generator=gen).to(device)
     starts = torch.full((bs,), context, dtype=torch.long, device=device)
 
     def draft_once() -> object:
-        logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=context)  # [bs, L, V]
+        logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=None if graphed else context)  # [bs, L, V]
         return build_trees(logits, max_budget, topk)
 
-    return _timed(draft_once, device, repeats)
+    return _timed(draft_once, device, repeats, graphed)

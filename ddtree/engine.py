@@ -17,23 +17,27 @@ synchronisation per round is the one that hands the new tokens back to the calle
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ddtree.budget import VerifyCostModel, choose_budget, default_node_counts, default_row_counts, measure_verify_cost, truncate_trees
 from ddtree.config import Algorithm, SpecConfig
+from ddtree.cuda_graphs import GraphCache, row_bucket, tree_sizes
 from ddtree.errors import ConfigError, RequestError
+from ddtree.kernels.tree_attention import MAX_TREE_NODES, triton_available
 from ddtree.sampling import choose_tokens_no_sync
 from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_trees
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
+POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
 
 
@@ -125,6 +129,7 @@ class StageTimer:
 
     def __init__(self, device: torch.device, sync: bool) -> None:
         self.totals = dict.fromkeys(STAGES, 0.0)
+        self.sync = sync  # exact per-stage times wanted (a graphed round then runs one graph per stage)
         self._sync = sync and device.type == "cuda"
         self._device = device
         self._stage: str | None = None
@@ -145,6 +150,25 @@ class StageTimer:
         if self._sync:
             torch.cuda.synchronize(self._device)
         return time.perf_counter()
+
+
+class _RoundState:
+    """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated)."""
+
+    def copy(self) -> _RoundState:
+        new = _RoundState()
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+Stage = Callable[[_RoundState], None]
+
+
+def _apply(prev: _RoundState, stages: Sequence[Stage]) -> _RoundState:
+    s = prev.copy()
+    for fn in stages:
+        fn(s)
+    return s
 
 
 @dataclass
@@ -175,6 +199,11 @@ class DecodeBatch:
         self.device = engine.device
         self.forward_cost = FORWARD_COST_TOKENS.get(self.device.type, FORWARD_COST_TOKENS_ACCELERATOR)
         self.timer = StageTimer(engine.device, sync=profile)
+        # the tree-attention kernel verifies at most 256 tokens a row; a wider budget runs eagerly on SDPA
+        wide = spec.max_nodes > MAX_TREE_NODES
+        self.attention = "sdpa" if wide else engine.attention
+        self.graphs = GraphCache(self.device) if engine.cuda_graphs and not wide else None
+        self._penalty: torch.Tensor | None = None
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
@@ -246,6 +275,11 @@ class DecodeBatch:
             outputs = self._ar_round()
         return self._retire_finished(outputs)
 
+    def clear(self) -> None:
+        """Drop every running request (the batch is empty and ready for reuse; graphs stay captured)."""
+        for slot in reversed(range(len(self.rows))):
+            self._remove(slot)
+
     def cancel(self, request_id: str) -> bool:
         for slot, row in enumerate(self.rows):
             if row.request.request_id == request_id:
@@ -298,20 +332,25 @@ class DecodeBatch:
 
     def _ar_round(self) -> list[StepOutput]:
         n = len(self.rows)
-        eng, t = self.engine, self.timer
-        cache = self.cache.rows(0, n)
-        committed = cache.lengths.clone()  # [n] == each row's committed length, already on the device
-        t.start("verify")
-        ids = self.bonus[:n, None]
-        logits, _ = eng.target.forward(ids, committed[:, None], cache, None, None,
-                                       kv_len_hint=max(r.committed for r in self.rows) + 1)
-        cache.advance(torch.ones(n, dtype=torch.long, device=self.device))
-        nxt = choose_tokens_no_sync(logits, self.temps[:n], self.seeds[:n], committed[:, None] + 1,
-                                    self._any_sampled())[:, 0]
-        self.bonus[:n] = nxt
-        t.start("walk")
-        tokens = nxt.tolist()  # the one sync: hand the tokens back
-        t.stop()
+        m = self._padded_rows(n)
+        sampled = self._any_sampled()
+        hint = None if self.graphs is not None else max(r.committed for r in self.rows) + 1
+        cache = self.cache.rows(0, m)
+
+        def verify(s: _RoundState) -> None:
+            committed = cache.lengths.clone()  # [m] == each row's committed length, already on the device
+            logits, _ = self.engine.target.forward(self.bonus[:m, None], committed[:, None], cache, None, None,
+                                                   kv_len_hint=hint, attention=self.attention)
+            s.next = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], committed[:, None] + 1, sampled)[:, 0]
+
+        def walk(s: _RoundState) -> None:
+            cache.advance(torch.ones(m, dtype=torch.long, device=self.device))
+            self.bonus[:m] = s.next
+
+        s = self._run_stages(("ar", m, sampled), [("verify", verify), ("walk", walk)], _RoundState())
+        tokens = s.next[:n].tolist()  # the one sync: hand the tokens back
+        self.timer.stop()
+        self._clear_padding(n, m)
         outputs = []
         for slot, row in enumerate(self.rows):
             row.committed += 1
@@ -319,67 +358,84 @@ class DecodeBatch:
         return outputs
 
     def _speculative_round(self) -> list[StepOutput]:
-        n, spec, eng, t = len(self.rows), self.spec, self.engine, self.timer
-        block = spec.block_size
-        cache, ctx = self.cache.rows(0, n), self.ctx.rows(0, n)
-        # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
-        committed = cache.lengths.clone()  # [n]
-        bonus = self.bonus[:n]
+        n, spec, eng = len(self.rows), self.spec, self.engine
+        m = self._padded_rows(n)
+        graphed = self.graphs is not None
+        sampled = self._any_sampled()
+        cap = spec.budget_cap
+        cache, ctx = self.cache.rows(0, m), self.ctx.rows(0, m)
+        longest = max(r.committed for r in self.rows)  # host bounds for the eager "sdpa" attention only
 
         # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
-        t.start("draft")
-        block_ids = torch.full((n, block), eng.mask_token_id, dtype=torch.long, device=self.device)
-        block_ids[:, 0] = bonus
-        # the drafter attends to at most min(longest context, window) stored positions: a host bound
-        ctx_hint = max(r.committed for r in self.rows)
-        draft_logits = eng.drafter.forward(ctx, block_ids, committed, ctx_len_hint=ctx_hint)  # [n, L, V]
-        # 2. build
-        t.start("build")
-        trees = build_trees(draft_logits, spec.budget_cap, spec.topk)
-        budget = spec.budget_cap
+        def draft(s: _RoundState) -> None:
+            # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
+            s.committed = cache.lengths.clone()  # [m]
+            block_ids = torch.full((m, spec.block_size), eng.mask_token_id, dtype=torch.long, device=self.device)
+            block_ids[:, 0] = self.bonus[:m]
+            # eager: the drafter attends to at most min(longest context, window) stored slots (a host
+            # bound); graphed: to its whole window, masked on the device
+            s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed,
+                                                 ctx_len_hint=None if graphed else longest)  # [m, L, V]
+
+        # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
+        def build(s: _RoundState) -> None:
+            s.trees = build_trees(s.draft_logits, cap, spec.topk)
+
+        drafted = self._run_stages(("draft", m), [("draft", draft), ("build", build)], _RoundState())
+        budget = cap
         if self.cost_model is not None:
             # budget auto: the prefix of b* nodes (a valid tree: parents come first) with the most expected
-            # tokens per second. The verify width must be a host int, so b* is read here: one more sync
-            # per round. Deciding on the host from the previous round's gains would avoid it but choose
-            # for a stale tree; CUDA-graph buckets (one captured verify per width) would keep the read but
-            # make it cheap. On the CPU the read costs nothing.
-            costs = self.cost_model.round_costs(n, budget, self.device)  # [budget]
-            budget = int(choose_budget(trees.log_probs, costs))
-            trees = truncate_trees(trees, budget)
-        # 3. compile
-        compiled = compile_trees(trees, bonus, committed)
+            # tokens per second for the live rows. The verify width is a shape, so b* is read here: one
+            # more sync per round (deciding from the previous round's gains would avoid it but choose
+            # for a stale tree). Graphed, b* is one of the captured tree sizes.
+            costs = self.cost_model.round_costs(n, cap, self.device)  # [cap]
+            if graphed:
+                costs = costs + self._non_bucket_penalty(cap)
+            budget = int(choose_budget(drafted.trees.log_probs[:n], costs))
         # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
         # themselves would read the device every round, so only the host-known cases skip the mask
         chain = spec.algorithm is Algorithm.DFLASH or spec.topk == 1
-        # 4. verify
-        t.start("verify")
-        kv_hint = max(r.committed for r in self.rows) + budget + 1
-        logits, taps = eng.target.forward(
-            compiled.input_ids, compiled.position_ids, cache, None if chain else compiled.mask,
-            eng.tap_layers, kv_len_hint=kv_hint,
-        )
-        target_tokens = choose_tokens_no_sync(
-            logits, self.temps[:n], self.seeds[:n], compiled.position_ids + 1, self._any_sampled()
-        )
-        # 5. walk
-        t.start("walk")
-        accepted, accept_lens, new_bonus = follow_trees(trees, target_tokens)
-        # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
-        accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
+
+        # 3. compile: [bonus, nodes], positions start + depth, the ancestor-or-self mask (and its bits)
+        def compile_(s: _RoundState) -> None:
+            s.trees = truncate_trees(s.trees, budget) if budget < cap else s.trees
+            s.compiled = compile_trees(s.trees, self.bonus[:m], s.committed)
+
+        # 4. verify: one target forward over every tree; the target's token at every node
+        def verify(s: _RoundState) -> None:
+            c = s.compiled
+            logits, s.taps = eng.target.forward(
+                c.input_ids, c.position_ids, cache, None if chain else c.mask, eng.tap_layers,
+                kv_len_hint=None if graphed else longest + budget + 1, attention=self.attention,
+                tree_bitmask=None if chain else c.bitmask)
+            s.target_tokens = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], c.position_ids + 1, sampled)
+
+        # 5. walk: descend while the target's token is a child; the last one gives the bonus
+        def walk(s: _RoundState) -> None:
+            accepted, s.accept_lens, s.new_bonus = follow_trees(s.trees, s.target_tokens)
+            # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
+            s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
+
         # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
-        t.start("compact")
-        src, _contiguous = compaction_indices(accepted, accept_lens)
-        cache.compact(src, accept_lens)
-        width = accepted.shape[1]
-        acc_idx = accepted.clamp_min(0)
-        acc_taps = taps.gather(1, acc_idx[:, :, None].expand(-1, -1, taps.shape[-1]))
-        acc_pos = committed[:, None] + torch.arange(width, device=self.device)[None]
-        eng.drafter.append_context(ctx, acc_taps, acc_pos, accept_lens)
-        acc_tokens = compiled.input_ids.gather(1, acc_idx)  # [n, L+1]; column 0 is the old bonus
-        self.bonus[:n] = new_bonus
+        def compact(s: _RoundState) -> None:
+            src, _contiguous = compaction_indices(s.accepted, s.accept_lens)
+            cache.compact(src, s.accept_lens)
+            width = s.accepted.shape[1]
+            acc_idx = s.accepted.clamp_min(0)
+            acc_taps = s.taps.gather(1, acc_idx[:, :, None].expand(-1, -1, s.taps.shape[-1]))
+            acc_pos = s.committed[:, None] + torch.arange(width, device=self.device)[None]
+            eng.drafter.append_context(ctx, acc_taps, acc_pos, s.accept_lens)
+            acc_tokens = s.compiled.input_ids.gather(1, acc_idx)  # [m, L+1]; column 0 is the old bonus
+            self.bonus[:m] = s.new_bonus
+            s.host = torch.cat([acc_tokens, s.new_bonus[:, None], s.accept_lens[:, None]], dim=1)
+
+        stages = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
+        s = self._run_stages(("verify", m, budget, sampled), stages, drafted)
+        width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
-        host = torch.cat([acc_tokens, new_bonus[:, None], accept_lens[:, None]], dim=1).tolist()
-        t.stop()
+        host = s.host[:n].tolist()
+        self.timer.stop()
+        self._clear_padding(n, m)
         self.last_budget = budget
         self.budget_rounds += 1
         self.budget_total += budget
@@ -393,6 +449,54 @@ class DecodeBatch:
             out.budgets = [budget]
             outputs.append(out)
         return outputs
+
+    # -- eager or graphed stages ---------------------------------------------------------------
+    def _padded_rows(self, n: int) -> int:
+        """Rows a round computes: n eagerly; graphed, n padded up to a captured bucket (the rows past n
+        are free slots with length 0, whatever they compute is discarded)."""
+        return row_bucket(n, self.max_batch) if self.graphs is not None else n
+
+    def _clear_padding(self, n: int, m: int) -> None:
+        """Free slots that a graphed round computed on go back to empty (no sync: two fills)."""
+        if m > n:
+            self.cache.lengths[n:m].zero_()
+            if self.ctx is not None:
+                self.ctx.total[n:m].zero_()
+
+    def _non_bucket_penalty(self, cap: int) -> torch.Tensor:
+        """+inf on the tree sizes that have no captured verify (budget auto picks among tree_sizes(cap))."""
+        if self._penalty is None or self._penalty.shape[0] != cap:
+            penalty = torch.full((cap,), float("inf"), device=self.device)
+            penalty[[b - 1 for b in tree_sizes(cap)]] = 0.0
+            self._penalty = penalty
+        return self._penalty
+
+    def _graph_state(self) -> list[torch.Tensor]:
+        """What a round mutates in place (restored after a capture's warm-up run). The target's K/V is
+        only written past each row's committed length, which a restored length makes unused again."""
+        state = [self.cache.lengths, self.bonus]
+        if self.ctx is not None:
+            state += [self.ctx.total, self.ctx.k, self.ctx.v]
+        return state
+
+    def _run_stages(self, key: tuple, stages: list[tuple[str, Stage]], prev: _RoundState) -> _RoundState:
+        """Run `stages` on a copy of `prev`: eagerly, or as one captured graph per key (one per stage
+        when profiling, so each stage's device time can be read between them)."""
+        t = self.timer
+        if self.graphs is None:
+            s = prev.copy()
+            for name, fn in stages:
+                t.start(name)
+                fn(s)
+            return s
+        if t.sync:
+            s = prev
+            for name, fn in stages:
+                t.start(name)
+                s = self.graphs.run(key + (name,), functools.partial(_apply, s, [fn]), self._graph_state())
+            return s
+        t.start(stages[0][0])  # the whole graph is timed (as enqueued) under its first stage
+        return self.graphs.run(key, functools.partial(_apply, prev, [fn for _, fn in stages]), self._graph_state())
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _any_sampled(self) -> bool:
@@ -432,6 +536,10 @@ class DecodeBatch:
                 buf[slot] = buf[last]
             self.rows[slot] = self.rows[last]
         self.rows.pop()
+        # a free slot is empty (a graphed round may compute on it as padding)
+        self.cache.lengths[last] = 0
+        if self.ctx is not None:
+            self.ctx.total[last] = 0
 
     def _validate(self, request: Request) -> None:
         eng = self.engine
@@ -460,9 +568,19 @@ class DecodeBatch:
 class Engine:
     """A target (and optionally a DFlash drafter) ready to decode with AR, DFLASH or DDTREE."""
 
-    def __init__(self, target, drafter=None) -> None:
+    def __init__(self, target, drafter=None, attention: str = "auto", cuda_graphs: bool | None = None) -> None:
+        """attention: "auto" (the Triton tree-attention kernel on CUDA when Triton is installed, else
+        "sdpa"), "sdpa", "triton" or "reference" (the kernel's torch reference; tests). cuda_graphs: None
+        = on wherever possible (CUDA with a kernel attention); graphs need static shapes, which only the
+        kernel attention gives (it reads each row's prefix length on the device)."""
         self.target, self.drafter = target, drafter
         self.device = next(target.parameters()).device
+        self.attention = resolve_attention(attention, self.device)
+        can_graph = self.device.type == "cuda" and self.attention != "sdpa"
+        if cuda_graphs and not can_graph:
+            raise ConfigError(f"cuda_graphs: need a CUDA device and a kernel attention (device {self.device}, "
+                              f"attention {self.attention!r})")
+        self.cuda_graphs: bool = can_graph if cuda_graphs is None else bool(cuda_graphs)
         cfg = target.config
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_id: int | None = _first_id(getattr(cfg, "eos_token_id", None))
@@ -478,15 +596,18 @@ class Engine:
         # otherwise the first auto batch measures one and later batches reuse it
         self.cost_model: VerifyCostModel | None = None
         self._measured: dict[tuple, VerifyCostModel] = {}
+        # generate() reuses its batches when graphed, so a repeated call replays instead of recapturing
+        self._pooled: dict[tuple, DecodeBatch] = {}
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None) -> Engine:
+                        dtype: torch.dtype | None = None, attention: str = "auto",
+                        cuda_graphs: bool | None = None) -> Engine:
         from ddtree.models import load_drafter, load_target
 
         target = load_target(target_path, device=device, dtype=dtype)
         drafter = load_drafter(draft_path, target, device=device, dtype=dtype) if draft_path else None
-        return cls(target, drafter)
+        return cls(target, drafter, attention=attention, cuda_graphs=cuda_graphs)
 
     def check_spec(self, spec: SpecConfig) -> None:
         """Reject a config this engine cannot run, before any forward pass."""
@@ -522,6 +643,21 @@ class Engine:
             profile = self.device.type != "cuda"
         return DecodeBatch(self, spec, max_batch, max_len, profile=profile, prefill_tokens=prefill_tokens)
 
+    def _generate_batch(self, spec: SpecConfig, max_batch: int, max_len: int, profile: bool | None) -> DecodeBatch:
+        """A fresh batch, or (graphed engines) a pooled empty one of the same shape: its graphs replay."""
+        if not self.cuda_graphs:
+            return self.open_batch(spec, max_batch, max_len, profile=profile)
+        key = (spec, max_batch, max_len, profile)
+        batch = self._pooled.pop(key, None)
+        if batch is None:
+            batch = self.open_batch(spec, max_batch, max_len, profile=profile)
+        batch.clear()  # a generate that raised may have left rows behind
+        batch.timer = StageTimer(self.device, sync=batch.timer.sync)
+        self._pooled[key] = batch  # most recent last
+        while len(self._pooled) > POOLED_BATCHES:
+            self._pooled.pop(next(iter(self._pooled)))
+        return batch
+
     @torch.inference_mode()
     def generate(
         self,
@@ -540,8 +676,8 @@ class Engine:
         single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
         prompts = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
         longest = max(len(p) for p in prompts)
-        batch = self.open_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
-                                profile=profile)
+        batch = self._generate_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
+                                     profile)
         reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos)
                 for i, p in enumerate(prompts)]
         for r in reqs:  # validate every request before any forward pass
@@ -576,6 +712,20 @@ class Engine:
             for r in reqs
         ]
         return out[0] if single else out
+
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "reference")
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA when Triton is installed, else "sdpa"; anything else is checked."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention: {attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if attention == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if attention == "triton" and not triton_available():
+        raise ConfigError("attention: 'triton' needs the triton package (pip install triton)")
+    return attention
 
 
 def _first_id(value) -> int | None:
