@@ -14,14 +14,16 @@ Every config of a cell decodes the same `concurrency` prompts (held-out code cut
 tiled when there are fewer long-enough files) in one `Engine.generate` batch: one warm-up generate,
 left out, then `repeats` timed runs (the device is synchronised before each clock read), median wall.
 A row reports output tok/s, tau (mean accepted length per round), the speed-up over AR in the same
-cell, efficiency = speed-up / tau, the round time split from the engine's stage timers and, for an
-auto budget, the mean chosen tree size. Every output must equal AR's at T = 0 ("lossless"); the exit
+cell, efficiency = speed-up / tau, the round time split from the engine's stage timers (and the mean
+round in ms), host syncs per round (CUDA: torch's sync debug mode over a few rounds) and, for an auto
+budget, the mean chosen tree size. Every output must equal AR's at T = 0 ("lossless"); the exit
 status is 1 when one does not. `--shape 1b` benchmarks a random-weight ~1B pair instead (built once
 by ddtree.bench.random_models): there only the timings mean something.
 
 Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.bench.acceptance).
 On CUDA the timed runs do not synchronise between stages; the round split comes from one extra run
-with the engine's stage profiling on (a device sync at every stage boundary).
+with the engine's stage profiling on (a device sync at every stage boundary; with CUDA graphs each
+stage is then its own graph). `--cuda-graphs off` / `--attention sdpa` measure the eager paths.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ import torch
 
 from ddtree.bench.acceptance import heldout_files, heldout_prompts
 from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count
+from ddtree.bench.syncs import syncs_per_round
 from ddtree.config import SpecConfig
-from ddtree.engine import Engine, GenerationResult
+from ddtree.engine import ATTENTION_BACKENDS, Engine, GenerationResult, Request
 from ddtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -158,6 +161,7 @@ def measure_config(engine: Engine, prompts: list[list[int]], spec: SpecConfig, m
     stage = {s: sum(results[0].timings.get(s, 0.0) for results in split_runs) / len(split_runs) * repeats
              for s in (*ROUND_STAGES, "prefill")}
     round_total = sum(stage[s] for s in ROUND_STAGES)
+    rounds = max(max(len(r.accept_lengths) for r in runs[0]), 1) if spec.speculative else max_new_tokens - 1
     return {
         "config": spec.id,
         "algorithm": spec.algorithm.value,
@@ -169,8 +173,25 @@ def measure_config(engine: Engine, prompts: list[list[int]], spec: SpecConfig, m
         "mean_budget": sum(budgets) / len(budgets) if budgets else None,
         "prefill_s": stage["prefill"] / repeats,
         "share": {s: (stage[s] / round_total if round_total > 0 else 0.0) for s in ROUND_STAGES},
+        # the profiled run's mean round (every stage synchronised: exact device time per stage)
+        "round_ms": {s: 1000 * stage[s] / repeats / rounds for s in ROUND_STAGES},
+        "syncs_per_round": measure_syncs(engine, prompts, spec, max_new_tokens),
         "outputs": [[r.token_ids for r in results] for results in runs],
     }
+
+
+def measure_syncs(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int) -> float | None:
+    """Host syncs per decode round on CUDA (None elsewhere): a few rounds of this cell's batch, counted
+    with torch's sync debug mode after the graphs are captured."""
+    if engine.device.type != "cuda" or max_new_tokens < 48:
+        return None
+    longest = max(len(p) for p in prompts)
+    batch = engine._generate_batch(spec, len(prompts), longest + max_new_tokens + spec.max_nodes, None)
+    try:
+        batch.add_many([Request(str(i), p, max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)])
+        return syncs_per_round(batch, rounds=3, warmup_rounds=2)
+    finally:
+        batch.clear()
 
 
 def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig], cell: Cell,
@@ -195,14 +216,18 @@ def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig]
 
 
 # -- output --------------------------------------------------------------------------------------
-_COLUMNS = ("config", "tok/s", "tau", "speed-up", "eff", "budget", *[f"{s}%" for s in ROUND_STAGES], "lossless")
+_COLUMNS = ("config", "tok/s", "tau", "speed-up", "eff", "budget", "round ms",
+            *[f"{s}%" for s in ROUND_STAGES], "syncs", "lossless")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     budget = "-" if row["mean_budget"] is None else f"{row['mean_budget']:.1f}"
     shares = [f"{100 * row['share'][s]:.0f}" for s in ROUND_STAGES]
+    round_ms = sum(row.get("round_ms", {}).values())
+    syncs = row.get("syncs_per_round")
     return [row["config"], f"{row['tok_per_s']:.1f}", f"{row['tau']:.2f}", f"{row['speedup']:.2f}",
-            f"{row['efficiency']:.2f}", budget, *shares, "yes" if row["lossless"] else "NO"]
+            f"{row['efficiency']:.2f}", budget, f"{round_ms:.2f}", *shares,
+            "-" if syncs is None else f"{syncs:.1f}", "yes" if row["lossless"] else "NO"]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -217,7 +242,9 @@ def format_markdown(report: dict[str, Any]) -> str:
     """Every cell as a markdown table, ready for docs/perf.md."""
     meta = report["meta"]
     lines = [f"Engine benchmark: {meta['shape_label']}; {meta['device_name']}, torch {meta['torch']}, "
-             f"{meta['dtype']}, {meta['max_new_tokens']} new tokens, median of {meta['repeats']}, {meta['date']}.",
+             f"{meta['dtype']}, attention {meta.get('attention', 'sdpa')}, CUDA graphs "
+             f"{'on' if meta.get('cuda_graphs') else 'off'}, {meta['max_new_tokens']} new tokens, median of "
+             f"{meta['repeats']}, {meta['date']}.",
              "", f"`{meta['command']}`", ""]
     for context, concurrency in sorted({(r["context"], r["concurrency"]) for r in report["rows"]}):
         rows = [r for r in report["rows"] if (r["context"], r["concurrency"]) == (context, concurrency)]
@@ -252,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each warm-up generate")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the config's dtype on GPU, float32 on CPU")
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="verify attention: auto = the Triton tree-attention kernel on CUDA, SDPA on CPU")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="capture rounds as CUDA graphs (auto: on CUDA with the kernel attention)")
     p.add_argument("--out", type=Path, help="JSON file of every row (rewritten after each cell)")
     p.add_argument("--markdown", type=Path, help="write the tables as markdown here")
     return p
@@ -285,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
         return 2
-    engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype])
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    try:
+        engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
+                                        attention=args.attention, cuda_graphs=graphs)
+    except ConfigError as err:
+        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
+        return 2
     dtype = str(next(engine.target.parameters()).dtype).removeprefix("torch.")
     report: dict[str, Any] = {
         "meta": {
@@ -294,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join(["python", "-m", "ddtree.bench", *argv]), "shape": args.shape,
             "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
             "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "warmup_tokens": args.warmup_tokens,
+            "warmup_tokens": args.warmup_tokens, "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
         },
         "rows": [], "skipped": [],
     }

@@ -1,0 +1,46 @@
+"""Count the host-device synchronisations a piece of CUDA work makes (torch's sync debug mode).
+
+torch.cuda.set_sync_debug_mode("warn") makes every synchronising call (`.item()`, `.tolist()`, a
+device-to-host copy, `nonzero`, a stream sync) emit a UserWarning; counting those warnings counts
+the syncs, with no profiler and no change to the work itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def count_host_syncs(fn: Callable[[], T]) -> tuple[T, int]:
+    """fn()'s result and how many synchronising CUDA calls it made (0 on a machine without CUDA)."""
+    if not torch.cuda.is_available():
+        return fn(), 0
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return result, sum("synchroniz" in str(w.message) for w in seen)
+
+
+def syncs_per_round(batch, rounds: int = 4, warmup_rounds: int = 2) -> float:
+    """Mean host syncs of `rounds` DecodeBatch.step() calls after `warmup_rounds` (which capture graphs).
+
+    The batch must have running requests that outlast warmup_rounds + rounds rounds.
+    """
+    for _ in range(warmup_rounds):
+        batch.step()
+    total = 0
+    for _ in range(rounds):
+        _, n = count_host_syncs(batch.step)
+        total += n
+    return total / rounds

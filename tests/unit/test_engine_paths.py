@@ -1,0 +1,176 @@
+"""The engine's device paths: kernel tree attention (on CPU through its torch reference) and CUDA graphs.
+
+Whatever path a round takes, its committed tokens must be the target's own: every check compares
+against plain AR decoding on the eager SDPA path. The CUDA tests also count host synchronisations:
+a graphed round reads the device once (the tokens handed back), budget auto once more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.bench.syncs import count_host_syncs
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
+from ddtree.engine import Engine, Request
+from ddtree.errors import ConfigError
+from ddtree.kernels.tree_attention import triton_available
+from tests.unit.test_engine import AR, make_engine, prompts
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs, Triton kernels)")
+
+PATH_SPECS = [
+    pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8, draft_window=None), id="dflash-wnone-bs8"),
+    pytest.param(SpecConfig(budget=8, topk=4, block_size=8, draft_window=2048), id="b8-k4-w2048-bs8"),
+    pytest.param(SpecConfig(budget=2, topk=2, block_size=8, draft_window=None), id="b2-k2-wnone-bs8"),
+    # 81 verify tokens: two bitmask words per row
+    pytest.param(SpecConfig(budget=80, topk=8, block_size=16, draft_window=16), id="b80-k8-w16-bs16"),
+]
+
+
+def _with_attention(engine: Engine, attention: str, cuda_graphs: bool | None = None) -> Engine:
+    return Engine(engine.target, engine.drafter, attention=attention, cuda_graphs=cuda_graphs)
+
+
+@pytest.fixture(scope="module")
+def sdpa_engine() -> Engine:
+    return make_engine()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", PATH_SPECS)
+def test_kernel_attention_rounds_equal_ar(sdpa_engine: Engine, spec: SpecConfig, temperature: float) -> None:
+    """Verify through tree_attention (reference backend here, Triton on CUDA) commits AR's tokens."""
+    kernel = _with_attention(sdpa_engine, "reference")
+    assert kernel.attention == "reference" and not kernel.cuda_graphs
+    batch = prompts(3, seed=21)
+    ref = sdpa_engine.generate(batch, 20, temperature=temperature, spec=AR, seed=5)
+    out = kernel.generate(batch, 20, temperature=temperature, spec=spec, seed=5)
+    ar_kernel = kernel.generate(batch, 20, temperature=temperature, spec=AR, seed=5)
+    for i, (r, o, a) in enumerate(zip(ref, out, ar_kernel)):
+        assert o.token_ids == r.token_ids, f"{spec.id} prompt {i}: kernel path differs from AR"
+        assert a.token_ids == r.token_ids, f"prompt {i}: AR on the kernel path differs from AR on SDPA"
+
+
+def test_kernel_attention_logits_match_sdpa(sdpa_engine: Engine) -> None:
+    """One verify forward over a tree after a prefix: same logits and taps through both paths."""
+    target = sdpa_engine.target
+    parents = [0, 0, 1, 1, 2, 4]  # nodes 1..6 under the root
+    n = len(parents) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents, start=1):
+        mask[i] |= mask[p]
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 90, (2, 11), generator=gen)
+    tokens = torch.randint(0, 90, (2, n), generator=gen)
+    outs = []
+    for attention in ("sdpa", "reference"):
+        cache = target.new_cache(2, 64)
+        with torch.no_grad():
+            target.forward(prefix, torch.arange(11)[None].expand(2, -1), cache)
+            cache.advance(torch.tensor([11, 7]))  # rows of different lengths
+            pos = cache.lengths[:, None] + torch.tensor(depth)[None]
+            outs.append(target.forward(tokens, pos, cache, mask[None].expand(2, n, n), [0, 3], attention=attention))
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_and_graph_choices_are_checked(sdpa_engine: Engine) -> None:
+    with pytest.raises(ConfigError, match="attention: 'flash' is not one of"):
+        _with_attention(sdpa_engine, "flash")
+    with pytest.raises(ConfigError, match="cuda_graphs: need a CUDA device"):
+        _with_attention(sdpa_engine, "reference", cuda_graphs=True)
+    assert _with_attention(sdpa_engine, "auto").attention == "sdpa"  # CPU: auto keeps SDPA
+    with pytest.raises(ValueError, match="attention: 'reference' verifies at most 256 tokens"):
+        cache = sdpa_engine.target.new_cache(1, 400)
+        sdpa_engine.target.forward(torch.zeros(1, 300, dtype=torch.long), torch.arange(300)[None], cache,
+                                   attention="reference")
+
+
+def test_buckets() -> None:
+    assert [row_bucket(n, 32) for n in (1, 2, 3, 5, 9, 13, 17, 25, 32)] == [1, 2, 4, 8, 12, 16, 24, 32, 32]
+    assert row_bucket(20, 20) == 20 and row_bucket(300, 300) == 300  # capped by max_batch, beyond the list
+    with pytest.raises(ValueError, match="rows: 0 is out of range"):
+        row_bucket(0, 8)
+    assert tree_sizes(8) == [1, 2, 3, 4, 6, 8] and tree_sizes(5) == [1, 2, 3, 4, 5]
+    assert list(ROW_BUCKETS) == sorted(ROW_BUCKETS) and list(TREE_BUCKETS) == sorted(TREE_BUCKETS)
+
+
+# -- CUDA: Triton kernels and graphs ------------------------------------------------------------------
+
+
+def _cuda_engine(cuda_graphs: bool) -> Engine:
+    cpu = make_engine()
+    target = cpu.target.to("cuda")
+    drafter = cpu.drafter.to("cuda")
+    return Engine(target, drafter, attention="triton" if triton_available() else "sdpa", cuda_graphs=cuda_graphs)
+
+
+GPU_SPECS = PATH_SPECS[:3] + [
+    pytest.param(SpecConfig(budget="auto", max_budget=16, topk=4, block_size=8), id="bauto16-k4-w2048-bs8"),
+]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", GPU_SPECS)
+def test_graphed_rounds_equal_ar(spec: SpecConfig, temperature: float) -> None:
+    """CUDA graphs on (rows padded to buckets, 5 prompts -> bucket 8): the same tokens as eager AR."""
+    eager, graphed = _cuda_engine(False), _cuda_engine(True)
+    batch = prompts(5, seed=8)
+    ref = eager.generate(batch, 24, temperature=temperature, spec=AR, seed=3)
+    for engine in (graphed, eager):
+        out = engine.generate(batch, 24, temperature=temperature, spec=spec, seed=3)
+        for i, (r, o) in enumerate(zip(ref, out)):
+            assert o.token_ids == r.token_ids, f"{spec.id} graphs={engine.cuda_graphs} prompt {i}: differs from AR"
+    ar_graphed = graphed.generate(batch, 24, temperature=temperature, spec=AR, seed=3)
+    assert [o.token_ids for o in ar_graphed] == [r.token_ids for r in ref]
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_slots_refill_across_buckets() -> None:
+    """Requests finish and join between rounds (batch sizes 1..3 -> buckets 1, 2, 4): outputs equal AR's."""
+    engine = _cuda_engine(True)
+    spec = SpecConfig(budget=6, topk=3, block_size=6, draft_window=None)
+    batch = prompts(6, seed=14)
+    lengths = [5, 31, 9, 40, 12, 3]
+    ref = [engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
+    b = engine.open_batch(spec, max_batch=3, max_len=160)
+    pending = [Request(str(i), p, n) for i, (p, n) in enumerate(zip(batch, lengths))]
+    got: dict[str, list[int]] = {r.request_id: [] for r in pending}
+    while pending or b.active:
+        while pending and b.free_slots:
+            for o in b.add(pending.pop(0)):
+                got[o.request_id] += o.new_token_ids
+        for o in b.step():
+            got[o.request_id] += o.new_token_ids
+    assert [got[str(i)] for i in range(len(batch))] == ref
+    assert b.graphs is not None and b.graphs.replays > b.graphs.captures > 0
+
+
+def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int) -> list[int]:
+    batch = engine.open_batch(spec, max_batch=rows, max_len=256)
+    batch.add_many([Request(str(i), p, 100) for i, p in enumerate(prompts(rows, seed=2))])
+    for _ in range(3):  # capture every graph first
+        batch.step()
+    return [count_host_syncs(batch.step)[1] for _ in range(3)]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("spec", "syncs"), [
+    pytest.param(SpecConfig(budget=8, topk=4, block_size=8), 1, id="b8-k4"),
+    pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8), 1, id="dflash"),
+    pytest.param(AR, 1, id="ar"),
+    pytest.param(SpecConfig(budget="auto", max_budget=16, topk=4, block_size=8), 2, id="bauto16-k4"),
+])
+def test_graphed_round_syncs_only_to_hand_back_tokens(spec: SpecConfig, syncs: int) -> None:
+    """At batch 32 a graphed round waits on the device only for the tokens (and budget auto's b*)."""
+    engine = _cuda_engine(True)
+    assert _syncs_per_round(engine, spec, rows=32) == [syncs] * 3
