@@ -136,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = Engine.from_pretrained(
-            args.model_path, args.speculative_draft_model_path, device=args.device, dtype=_torch_dtype(args.dtype)
+            args.model_path, args.speculative_draft_model_path, device=args.device, dtype=_torch_dtype(args.dtype),
+            attention=args.attention_backend, cuda_graphs=False if args.disable_cuda_graph else None,
         )
         codec = load_tokenizer(args.model_path)
     except ModelLoadError as err:
         log.error("%s", err)
         return 1
+    except ConfigError as err:  # e.g. --attention-backend triton without the triton package
+        print(f"error: --attention-backend: {err}", file=sys.stderr)
+        return 2
+    log.info("Decode path: attention=%s, cuda_graphs=%s", engine.attention, engine.cuda_graphs)
     if args.context_length is not None and args.context_length > engine.max_context:
         print(f"error: --context-length: {args.context_length} exceeds the engine's limit {engine.max_context}", file=sys.stderr)
         return 2

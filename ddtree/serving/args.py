@@ -54,6 +54,8 @@ class ServerArgs:
     launch_command: str = ""
     speculative_ddtree_max_budget: int = DEFAULT_MAX_BUDGET  # the cap of an auto budget
     speculative_ddtree_cost_profile: str | None = None  # a measured round cost profile (JSON) for auto
+    attention_backend: str = "auto"  # verify attention: auto | sdpa | triton (ddtree.engine.resolve_attention)
+    disable_cuda_graph: bool = False  # run rounds eagerly on CUDA (graphs are on by default there)
 
     @property
     def spec(self) -> SpecConfig:
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--max-running-requests", type=int, default=32, help="requests decoded together")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "triton"],
+                   help="verify attention: auto = the Triton tree-attention kernel on CUDA, SDPA on CPU")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode rounds eagerly (CUDA graphs are captured by default on CUDA)")
     p.add_argument(
         "--context-length",
         type=int,
@@ -224,7 +230,11 @@ def resolve_args(argv: list[str] | None = None) -> ServerArgs:
         launch_command=shlex.join([sys.executable, "-m", "ddtree.server", *argv]),
         speculative_ddtree_max_budget=ns.speculative_ddtree_max_budget,
         speculative_ddtree_cost_profile=ns.speculative_ddtree_cost_profile,
+        attention_backend=ns.attention_backend,
+        disable_cuda_graph=ns.disable_cuda_graph,
     )
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise ConfigError(f"--attention-backend: 'triton' needs --device cuda (got {args.device}); use auto or sdpa")
     profile = ns.speculative_ddtree_cost_profile
     if profile is not None and not Path(profile).is_file():
         raise ConfigError(f"--speculative-ddtree-cost-profile: {profile!r} is not a file")

@@ -655,6 +655,20 @@ def test_resolve_args_accepts_an_auto_budget(tmp_path: Any) -> None:
     assert with_profile.speculative_ddtree_cost_profile == str(profile)
 
 
+def test_resolve_args_decode_path_flags(tmp_path: Any) -> None:
+    from ddtree.errors import ConfigError
+    from ddtree.serving.args import resolve_args
+
+    target, _ = _folders(tmp_path, {"block_size": 8})
+    args = resolve_args(["--model-path", target, "--device", "cpu"])
+    assert (args.attention_backend, args.disable_cuda_graph) == ("auto", False)
+    args = resolve_args(["--model-path", target, "--device", "cpu", "--attention-backend", "sdpa", "--disable-cuda-graph"])
+    assert (args.attention_backend, args.disable_cuda_graph) == ("sdpa", True)
+    assert args.to_dict()["disable_cuda_graph"] is True  # reported by /server_info
+    with pytest.raises(ConfigError, match="--attention-backend: 'triton' needs --device cuda"):
+        resolve_args(["--model-path", target, "--device", "cpu", "--attention-backend", "triton"])
+
+
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
