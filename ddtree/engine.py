@@ -237,6 +237,7 @@ class DecodeBatch:
         """Raise RequestError (naming the field) if `request` can never run in this batch; no forward."""
         self._validate(request)
 
+    @torch.inference_mode()
     def add_many(self, requests: Sequence[Request]) -> list[StepOutput]:
         """Prefill several requests into free slots at once; returns their first tokens, in request order.
 
@@ -265,6 +266,7 @@ class DecodeBatch:
                 outputs[out.request_id] = out
         return self._retire_finished([outputs[r.request_id] for r in requests])
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One round for every running request."""
         if not self.rows:
@@ -275,11 +277,13 @@ class DecodeBatch:
             outputs = self._ar_round()
         return self._retire_finished(outputs)
 
+    @torch.inference_mode()
     def clear(self) -> None:
         """Drop every running request (the batch is empty and ready for reuse; graphs stay captured)."""
         for slot in reversed(range(len(self.rows))):
             self._remove(slot)
 
+    @torch.inference_mode()
     def cancel(self, request_id: str) -> bool:
         for slot, row in enumerate(self.rows):
             if row.request.request_id == request_id:
