@@ -648,12 +648,13 @@ class Engine:
         return DecodeBatch(self, spec, max_batch, max_len, profile=profile, prefill_tokens=prefill_tokens)
 
     def _generate_batch(self, spec: SpecConfig, max_batch: int, max_len: int, profile: bool | None) -> DecodeBatch:
-        """A fresh batch, or (graphed engines) a pooled empty one of the same shape: its graphs replay."""
+        """A fresh batch, or (graphed engines) a pooled empty one of the same spec and rows whose cache is
+        long enough: its graphs replay instead of being captured again."""
         if not self.cuda_graphs:
             return self.open_batch(spec, max_batch, max_len, profile=profile)
-        key = (spec, max_batch, max_len, profile)
+        key = (spec, max_batch, profile)
         batch = self._pooled.pop(key, None)
-        if batch is None:
+        if batch is None or batch.max_len < max_len:
             batch = self.open_batch(spec, max_batch, max_len, profile=profile)
         batch.clear()  # a generate that raised may have left rows behind
         batch.timer = StageTimer(self.device, sync=batch.timer.sync)

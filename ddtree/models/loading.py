@@ -130,14 +130,17 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
-def save_target(model: Target, path: str | Path) -> None:
-    """Write a Hugging Face-format folder that `load_target` (and transformers) read back."""
+def save_target(model: Target, path: str | Path, compute_dtype: str | None = None) -> None:
+    """Write a Hugging Face-format folder that `load_target` (and transformers) read back.
+
+    compute_dtype: the config's torch_dtype (what loaders run in) when it differs from the stored weights'.
+    """
     state = {("lm_head.weight" if k == "head.weight" else k): t for k, t in model.state_dict().items()}
-    config = model.config.to_dict() | {"torch_dtype": _dtype_str(model.dtype)}
+    config = model.config.to_dict() | {"torch_dtype": compute_dtype or _dtype_str(model.dtype)}
     _write(path, config, state)
 
 
-def save_drafter(model: DFlashDrafter, path: str | Path) -> None:
+def save_drafter(model: DFlashDrafter, path: str | Path, compute_dtype: str | None = None) -> None:
     """Write a z-lab-format drafter folder (config.json with dflash_config + model.safetensors)."""
-    config = model.config.to_dict() | {"torch_dtype": _dtype_str(model.dtype)}
+    config = model.config.to_dict() | {"torch_dtype": compute_dtype or _dtype_str(model.dtype)}
     _write(path, config, model.state_dict())

@@ -31,6 +31,7 @@ from ddtree.train.card import (
 )
 from ddtree.train.corpus import MASK_ID, load_tokens, read_manifest
 from ddtree.train.loop import (
+    FIXTURE_COMPUTE_DTYPE,
     BatchSampler,
     Progress,
     TrainOptions,
@@ -89,7 +90,7 @@ class DrafterShape:
             max_position_embeddings=target.max_position_embeddings,
             layer_types=("sliding_attention",) * n,
             sliding_window=self.window,
-            torch_dtype="bfloat16",
+            torch_dtype=FIXTURE_COMPUTE_DTYPE,
         )
 
 
@@ -357,7 +358,7 @@ def train_drafter(
 
     out.mkdir(parents=True, exist_ok=True)
     drafter = drafter.to(torch.bfloat16)
-    save_drafter(drafter, out)
+    save_drafter(drafter, out, compute_dtype=FIXTURE_COMPUTE_DTYPE)
     copy_tokenizer(data, out)
     summary = {
         "kind": "drafter",

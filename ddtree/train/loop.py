@@ -18,6 +18,12 @@ import torch
 from ddtree.errors import ConfigError
 from ddtree.train.corpus import EOT_ID
 
+# What trained fixtures run in (their config's torch_dtype). Weights are stored in bfloat16 to stay small;
+# computing in float32 keeps a verify over n tokens and a one-token step numerically alike, so greedy
+# outputs compare token for token across AR, DFLASH and DDTREE on a GPU too (in bfloat16 the two shapes
+# round differently and near-tied tokens flip).
+FIXTURE_COMPUTE_DTYPE = "float32"
+
 
 @dataclass(frozen=True)
 class TrainOptions:

@@ -8,7 +8,7 @@ model.safetensors (bfloat16), tokenizer.json, README.md (model card) and train_l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ddtree.train.card import (
 )
 from ddtree.train.corpus import EOT_ID, load_tokens, read_manifest
 from ddtree.train.loop import (
+    FIXTURE_COMPUTE_DTYPE,
     BatchSampler,
     Progress,
     TrainOptions,
@@ -67,7 +68,7 @@ class TargetShape:
             tie_word_embeddings=True,
             eos_token_id=EOT_ID,
             bos_token_id=EOT_ID,
-            torch_dtype="bfloat16",
+            torch_dtype=FIXTURE_COMPUTE_DTYPE,
         )
 
 
@@ -144,9 +145,8 @@ def train_target(
           file=progress.stream, flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
-    model = model.to(torch.bfloat16)
-    model.config = replace(model.config, torch_dtype="bfloat16")
-    save_target(model, out)
+    model = model.to(torch.bfloat16)  # stored small; run in float32 (see FIXTURE_COMPUTE_DTYPE)
+    save_target(model, out, compute_dtype=FIXTURE_COMPUTE_DTYPE)
     copy_tokenizer(data, out)
     summary = {
         "kind": "target",

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from ddtree.errors import ConfigError
 from ddtree.train.card import GATE_STATEMENT
@@ -226,8 +227,10 @@ def test_target_trains_saves_and_loads(target_dir: Path) -> None:
     model = load_target(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]
-    assert cfg["tie_word_embeddings"] is True and cfg["torch_dtype"] == "bfloat16" and cfg["eos_token_id"] == EOT_ID
+    assert cfg["tie_word_embeddings"] is True and cfg["torch_dtype"] == "float32" and cfg["eos_token_id"] == EOT_ID
     assert model.config.num_hidden_layers == 6 and model.config.vocab_size == 300
+    stored = load_file(str(target_dir / "model.safetensors"))  # stored small, run in float32
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     card = (target_dir / "README.md").read_text()
     assert GATE_STATEMENT in card and "gate problems are in the training data on purpose" in card
     assert "held-out loss" in card and (target_dir / "tokenizer.json").exists()
