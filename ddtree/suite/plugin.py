@@ -168,12 +168,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     restore = _merged_restore(state, options.grid.default.id) or {}
     restore = {**restore, "deploys": len(state.deploys), "deploy_order": state.deploys}  # kept in restore.json
     write_sweep_summary(results, options.grid.default.id, restore)
+    if options.update_floors and state.floor_updates:  # measurements first: a failing plot must not lose them
+        write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})
     if any((results / "cells").glob("*.json")):
         from ddtree.bench.plots import write_plots  # matplotlib only when there is something to plot
 
         write_plots(results)
-    if options.update_floors and state.floor_updates:
-        write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})
 
 
 def _merged_restore(state: SuiteState, default_id: str) -> dict[str, Any] | None:
