@@ -48,6 +48,7 @@ __all__ = [
     "expand_bitmask",
     "follow_tree",
     "follow_trees",
+    "follow_trees_by_mask",
     "is_chain",
     "top_log_probs",
     "top_log_probs_fast",
@@ -465,6 +466,40 @@ def follow_trees(
         accepted[:, d] = torch.where(alive, cur, -1)
     accept_lens = (accepted >= 0).sum(dim=-1)  # [bs], a walk never resumes once it stops
     bonus = target_tokens.gather(1, cur[:, None]).squeeze(1)
+    return accepted, accept_lens, bonus
+
+
+def follow_trees_by_mask(
+    trees: DraftTrees, mask: torch.Tensor, target_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """follow_trees' result from the compiled ancestor-or-self mask, with no loop over depth.
+
+    mask[bs, B+1, B+1] bool (CompiledTrees.mask). A node is on the accepted path iff it and every
+    ancestor agree with the target's token at their parent; siblings carry distinct tokens (the
+    top-k of one position), so those nodes form a single path, one per depth. 28 tensor ops whatever
+    the depth, against 61 + 16 per depth beyond 3 for the walk (125 at depth 7): on a GPU, where a
+    round is made of small kernels, the kernel count is the cost.
+    """
+    bs, b = trees.tokens.shape
+    if tuple(target_tokens.shape) != (bs, b + 1):
+        raise ValueError(f"target_tokens: expected shape {(bs, b + 1)}, got {tuple(target_tokens.shape)}")
+    if tuple(mask.shape) != (bs, b + 1, b + 1):
+        raise ValueError(f"mask: expected shape {(bs, b + 1, b + 1)}, got {tuple(mask.shape)}")
+    device = trees.tokens.device
+    target_tokens = target_tokens.to(device=device, dtype=torch.long)
+    depth_limit = trees.max_depth
+    agrees = (trees.depths > 0) & (trees.tokens == target_tokens.gather(1, trees.parents))  # [bs, B]
+    agrees = torch.cat([torch.ones_like(agrees[:, :1]), agrees], dim=1)  # the root always stands
+    on_path = ~(mask & ~agrees[:, None, :]).any(dim=-1)  # [bs, B+1]: every ancestor-or-self agrees
+    depths = torch.cat([torch.zeros_like(trees.depths[:, :1]), trees.depths], dim=1)  # [bs, B+1]
+    # node i of the path goes to column depth[i]; everything else to a spare column, dropped after
+    column = torch.where(on_path, depths, depth_limit + 1)
+    nodes = torch.arange(b + 1, device=device).expand(bs, -1)
+    accepted = torch.full((bs, depth_limit + 2), -1, dtype=torch.long, device=device)
+    accepted = accepted.scatter(1, column, nodes)[:, : depth_limit + 1]
+    accept_lens = on_path.sum(dim=-1)
+    deepest = (on_path * (depths + 1)).argmax(dim=-1, keepdim=True)  # [bs, 1]
+    bonus = target_tokens.gather(1, deepest).squeeze(1)
     return accepted, accept_lens, bonus
 
 

@@ -22,6 +22,7 @@ from ddtree.tree import (
     expand_bitmask,
     follow_tree,
     follow_trees,
+    follow_trees_by_mask,
     is_chain,
     top_log_probs,
     top_log_probs_fast,
@@ -350,6 +351,10 @@ def test_walk_matches_oracle(args: tuple[int, int, int, int, int], bs: int, p_fo
     target_t = torch.from_numpy(targets).long()
     accepted, lens, bonus = follow_trees(trees, target_t)
     assert accepted.shape == (bs, depth_limit + 1)
+    compiled = compile_trees(trees, target_t[:, 0], torch.zeros(bs, dtype=torch.long))
+    by_mask = follow_trees_by_mask(trees, compiled.mask, target_t)
+    for got, want in zip(by_mask, (accepted, lens, bonus), strict=True):
+        assert torch.equal(got, want), "the mask walk differs from the depth walk"
     for b in range(bs):
         row = trees.row(b)
         want, want_bonus = oracle_walk(row.tokens.tolist(), row.parents.tolist(), targets[b].tolist())
@@ -380,6 +385,41 @@ def test_follow_trees_rejects_wrong_shape() -> None:
     trees = build_trees(random_logits(0, (2, 3, 9)), 4, 2)
     with pytest.raises(ValueError, match="target_tokens"):
         follow_trees(trees, torch.zeros(2, 4, dtype=torch.long))
+    mask = torch.ones(2, 5, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="target_tokens"):
+        follow_trees_by_mask(trees, mask, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"mask: expected shape \(2, 5, 5\)"):
+        follow_trees_by_mask(trees, mask[:, :4, :4], torch.zeros(2, 5, dtype=torch.long))
+
+
+def _ops(fn) -> int:
+    """How many tensor ops fn dispatches (each one a kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_mask_walk_op_count_does_not_grow_with_depth(budget: int) -> None:
+    """The mask walk is a fixed number of ops; the depth walk pays a few per depth (kernel launches)."""
+    counts = {}
+    for depth in (3, 15):
+        trees = build_trees(random_logits(depth, (4, depth, 50)), budget, 4)
+        targets = torch.randint(0, 50, (4, budget + 1), generator=torch.Generator().manual_seed(depth))
+        mask = compile_trees(trees, targets[:, 0], torch.zeros(4, dtype=torch.long)).mask
+        counts[depth] = (_ops(lambda: follow_trees_by_mask(trees, mask, targets)),
+                         _ops(lambda: follow_trees(trees, targets)))
+    assert counts[3][0] == counts[15][0] <= 30, counts
+    assert counts[15][1] > counts[3][1] + 40, counts  # the depth walk: the baseline it replaces
 
 
 # -- compaction -----------------------------------------------------------------------------------
@@ -420,6 +460,7 @@ def _batched_round(device: str | torch.device, logits: torch.Tensor) -> None:
     roots = torch.zeros(bs, dtype=torch.long, device=device)
     c = compile_trees(trees, roots, roots + 5)
     accepted, lens, _ = follow_trees(trees, c.input_ids)
+    follow_trees_by_mask(trees, c.mask, c.input_ids)
     compaction_indices(accepted, lens)
     is_chain(trees)
     if c.bitmask is not None:
