@@ -144,7 +144,8 @@ def test_nightly_workflow_parses_and_runs_the_three_commands() -> None:
     assert "pip install -e '.[test,gpu]'" in runs
     assert "pytest tests/kernels" in runs
     assert 'pytest -m "perf or quality" --config-grid full --device cuda --results-dir results/nightly' in runs
-    assert "[ -f fixtures/floors/h200-fixture.yaml ]" in runs and "--floors h200-fixture" in runs
+    assert "--floors h200-fixture" in runs and (REPO / "fixtures/floors/h200-fixture.yaml").is_file()
+    assert "pytest tests/unit/test_engine_paths.py" in runs  # the GPU engine paths (graphs, syncs)
     assert ("python -m ddtree.bench --device cuda --out results/nightly/engine_bench.json "
             "--markdown results/nightly/engine_bench.md") in runs
     upload = next(s for s in steps if str(s.get("uses", "")).startswith("actions/upload-artifact"))
