@@ -75,11 +75,20 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
         self.lengths[dst] = self.lengths[src]
 
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged)."""
-        bs, _, n_q, _ = k_new.shape
-        rows = torch.arange(bs, device=self.device)[:, None]  # [bs, 1]
+    def write_index(self, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows[bs, 1], slots[bs, q]) where a forward's q new tokens go: lengths[b] + j. Computed once
+        per forward and shared by its layers (a few kernels fewer per layer on a GPU)."""
+        rows = torch.arange(self.batch, device=self.device)[:, None]  # [bs, 1]
         slots = self.lengths[:, None] + torch.arange(n_q, device=self.device)  # [bs, q]
+        return rows, slots
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+              index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged).
+
+        index: write_index(q) of this forward, if the caller already has it.
+        """
+        rows, slots = index if index is not None else self.write_index(k_new.shape[2])
         # advanced indices on dims (bs, len) around a slice -> values laid out [bs, q, kv, d]
         self.k[layer][rows, :, slots] = k_new.transpose(1, 2)
         self.v[layer][rows, :, slots] = v_new.transpose(1, 2)

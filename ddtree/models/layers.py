@@ -18,9 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # HF's order: normalise in float32, cast back, then scale. F.rms_norm does the normalisation
+        # as one op (bit-identical here on the CPU, 2x faster; a single kernel where torch fuses it)
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(dtype)
 
 

@@ -181,10 +181,11 @@ class Target(nn.Module):
         x = self.embed(input_ids)  # [bs, q, D]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers or [])
+        index = cache.write_index(n_q)
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             q, k, v = layer.self_attn.qkv(h, cos, sin)
-            cache.write(i, k, v)
+            cache.write(i, k, v, index)
             if bitmask is None:
                 k_all, v_all = cache.view(i, kv_len)
                 o = attend(q, k_all, v_all, mask)
