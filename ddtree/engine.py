@@ -664,6 +664,12 @@ class Engine:
             self._pooled.pop(next(iter(self._pooled)))
         return batch
 
+    def release_pooled(self) -> None:
+        """Drop the batches generate() keeps for graph reuse (their KV caches and graphs free up)."""
+        self._pooled.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def generate(
         self,

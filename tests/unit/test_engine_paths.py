@@ -174,3 +174,15 @@ def test_graphed_round_syncs_only_to_hand_back_tokens(spec: SpecConfig, syncs: i
     """At batch 32 a graphed round waits on the device only for the tokens (and budget auto's b*)."""
     engine = _cuda_engine(True)
     assert _syncs_per_round(engine, spec, rows=32) == [syncs] * 3
+
+
+def test_trees_wider_than_the_kernel_fall_back_to_sdpa(sdpa_engine: Engine) -> None:
+    """A budget past the kernel's 256 verify tokens runs that batch on SDPA (eagerly), still lossless."""
+    kernel = _with_attention(sdpa_engine, "reference")
+    wide = SpecConfig(budget=300, topk=8, block_size=16, draft_window=None)
+    assert kernel.open_batch(wide, max_batch=1, max_len=400).attention == "sdpa"
+    assert kernel.open_batch(SpecConfig(budget=8, topk=4), max_batch=1, max_len=400).attention == "reference"
+    batch = prompts(2, seed=31)
+    ref = sdpa_engine.generate(batch, 12, spec=AR)
+    out = kernel.generate(batch, 12, spec=wide)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
