@@ -414,9 +414,9 @@ class DecodeBatch:
                 tree_bitmask=None if chain else c.bitmask)
             s.target_tokens = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], c.position_ids + 1, sampled)
 
-        # 5. walk: descend while the target's token is a child; the last one gives the bonus
+        # 5. walk: the nodes whose every ancestor matches the target's token; the deepest gives the bonus
         def walk(s: _RoundState) -> None:
-            # from the compiled ancestor mask: a fixed ~30 ops, where the depth-by-depth walk is ~125 at L = 7
+            # from the compiled ancestor mask: a fixed 28 ops, where walking depth by depth is ~125 at L = 7
             accepted, s.accept_lens, s.new_bonus = follow_trees_by_mask(s.trees, s.compiled.mask, s.target_tokens)
             # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
             s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
