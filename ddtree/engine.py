@@ -13,6 +13,10 @@ Rows of a `DecodeBatch` are kept packed at the front (a finished request's slot 
 the last row into it), so every forward runs on a contiguous view of the caches. The only host
 synchronisation per round is the one that hands the new tokens back to the caller; with
 `budget="auto"` there is a second one, after step 2, that reads the chosen tree size (ddtree.budget).
+
+On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as two CUDA
+graphs (steps 1-2, then 3-6; ddtree.cuda_graphs), rows padded to a captured bucket; elsewhere the
+same stage functions run eagerly. Either way the tokens committed are the target's own.
 """
 
 from __future__ import annotations
