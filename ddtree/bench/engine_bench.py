@@ -176,6 +176,8 @@ def measure_config(engine: Engine, prompts: list[list[int]], spec: SpecConfig, m
         "tok_per_s": tokens / wall if wall > 0 else 0.0,
         "tau": sum(accepts) / len(accepts) if accepts else 1.0,
         "mean_budget": sum(budgets) / len(budgets) if budgets else None,
+        # budget auto decides from this table: keep it with the row so a choice can be checked later
+        "cost_model": engine.budget_cost_model(spec, len(prompts)).to_dict() if spec.auto_budget else None,
         "prefill_s": stage["prefill"] / repeats,
         "share": {s: (stage[s] / round_total if round_total > 0 else 0.0) for s in ROUND_STAGES},
         # the profiled run's mean round (every stage synchronised: exact device time per stage)

@@ -3,6 +3,7 @@ ancestor walk and a linear-scan tree walk; plus the batched path's no-host-sync 
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -416,8 +417,8 @@ def test_mask_walk_op_count_does_not_grow_with_depth(budget: int) -> None:
         trees = build_trees(random_logits(depth, (4, depth, 50)), budget, 4)
         targets = torch.randint(0, 50, (4, budget + 1), generator=torch.Generator().manual_seed(depth))
         mask = compile_trees(trees, targets[:, 0], torch.zeros(4, dtype=torch.long)).mask
-        counts[depth] = (_ops(lambda: follow_trees_by_mask(trees, mask, targets)),
-                         _ops(lambda: follow_trees(trees, targets)))
+        counts[depth] = (_ops(functools.partial(follow_trees_by_mask, trees, mask, targets)),
+                         _ops(functools.partial(follow_trees, trees, targets)))
     assert counts[3][0] == counts[15][0] <= 30, counts
     assert counts[15][1] > counts[3][1] + 40, counts  # the depth walk: the baseline it replaces
 

@@ -66,6 +66,18 @@ def test_main_writes_rows_meta_and_skips_a_cell_beyond_the_context(random_dir: P
     assert "Skipped: context 500 x 2" in markdown
 
 
+def test_an_auto_row_keeps_the_cost_table_it_chose_from(random_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = bench_args(random_dir, out, "--contexts", "40")
+    args[args.index("b4-k4-w2048-bs8")] = "bauto8-k4-w2048-bs8"
+    assert main(args) == 0
+    ar, auto = json.loads(out.read_text())["rows"]
+    assert ar["cost_model"] is None
+    table = auto["cost_model"]
+    assert table["rows"] and table["nodes"][-1] == 9 and len(table["verify_s"]) == len(table["rows"])
+    assert 1 <= auto["mean_budget"] <= 8 and auto["lossless"] is True
+
+
 def test_an_output_that_differs_from_ar_fails_the_run(random_dir: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     real = Engine.generate
