@@ -396,7 +396,7 @@ class DecodeBatch:
             # tokens per second for the live rows. The verify width is a shape, so b* is read here: one
             # more sync per round (deciding from the previous round's gains would avoid it but choose
             # for a stale tree). Graphed, b* is one of the captured tree sizes.
-            costs = self.cost_model.round_costs(n, cap, self.device)  # [cap]
+            costs = self.cost_model.round_costs(m, cap, self.device)  # [cap]; a graphed round computes m rows
             if graphed:
                 costs = costs + self._non_bucket_penalty(cap)
             budget = int(choose_budget(drafted.trees.log_probs[:n], costs))
@@ -628,7 +628,8 @@ class Engine:
         """The round cost model for an auto budget: the loaded profile, else measured (once per setting).
 
         Measured on min(1024, context) committed tokens for 1..max(max_batch, 8) rows (at most 4 sizes) and
-        verify widths 2..max_budget + 1; larger batches extrapolate. A handful of forwards: ~1 s on CPU.
+        verify widths up to max_budget + 1 (_cost_widths); larger batches extrapolate. A handful of
+        forwards: ~1 s on CPU.
         """
         if self.cost_model is not None:
             return self.cost_model
@@ -637,10 +638,18 @@ class Engine:
         if cached is None or max(cached.rows) < max_batch:
             context = max(1, min(COST_PROFILE_CONTEXT, self.max_context - spec.max_nodes - spec.block_size))
             cached = measure_verify_cost(
-                self, default_row_counts(max(max_batch, COST_PROFILE_ROWS)), default_node_counts(spec.budget_cap), context,
+                self, default_row_counts(max(max_batch, COST_PROFILE_ROWS)), self._cost_widths(spec.budget_cap), context,
                 block_size=spec.block_size, draft_window=spec.draft_window, topk=spec.topk)
             self._measured[key] = cached
         return cached
+
+    def _cost_widths(self, cap: int) -> list[int]:
+        """Verify widths the auto budget's cost model measures: graphed, exactly the captured tree sizes
+        (+ the root) it chooses among, since graphed verify time need not be smooth in width; eagerly,
+        a few powers of two that it interpolates between."""
+        if self.cuda_graphs:
+            return [b + 1 for b in tree_sizes(cap)]
+        return default_node_counts(cap)
 
     def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
                    profile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS) -> DecodeBatch:

@@ -186,3 +186,10 @@ def test_trees_wider_than_the_kernel_fall_back_to_sdpa(sdpa_engine: Engine) -> N
     ref = sdpa_engine.generate(batch, 12, spec=AR)
     out = kernel.generate(batch, 12, spec=wide)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+
+
+def test_graphed_auto_budget_measures_exactly_the_sizes_it_chooses_among(sdpa_engine: Engine) -> None:
+    engine = _with_attention(sdpa_engine, "sdpa")
+    assert engine._cost_widths(32) == [2, 3, 5, 9, 17, 33]  # eager: interpolated between these
+    engine.cuda_graphs = True  # what a CUDA engine has (the choice itself needs no device)
+    assert engine._cost_widths(32) == [b + 1 for b in tree_sizes(32)] == [2, 3, 4, 5, 7, 9, 13, 17, 25, 33]
