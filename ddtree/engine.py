@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -36,7 +37,7 @@ from ddtree.cuda_graphs import GraphCache, row_bucket, tree_sizes
 from ddtree.errors import ConfigError, RequestError
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, triton_available
 from ddtree.sampling import choose_tokens_no_sync
-from ddtree.tree import build_trees, compaction_indices, compile_trees, follow_trees_by_mask
+from ddtree.tree import CompiledTrees, DraftTrees, build_trees, compaction_indices, compile_trees, follow_trees_by_mask
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
@@ -158,6 +159,18 @@ class StageTimer:
 
 class _RoundState:
     """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated)."""
+
+    committed: torch.Tensor  # [m] committed lengths at the round's start
+    draft_logits: torch.Tensor  # [m, L, V]
+    trees: DraftTrees  # built at the cap, then cut to the round's budget
+    compiled: CompiledTrees
+    taps: torch.Tensor  # [m, B+1, T*D] target hidden states for the drafter
+    target_tokens: torch.Tensor  # [m, B+1] the target's token at every node
+    accepted: torch.Tensor  # [m, <= L+1] accepted node indices, -1 padded
+    accept_lens: torch.Tensor  # [m]
+    new_bonus: torch.Tensor  # [m]
+    host: torch.Tensor  # [m, width + 2]: accepted tokens, bonus, accepted length (what goes to the host)
+    next: torch.Tensor  # [m] AR rounds: the next token
 
     def copy(self) -> _RoundState:
         new = _RoundState()
@@ -371,6 +384,8 @@ class DecodeBatch:
         graphed = self.graphs is not None
         sampled = self._any_sampled()
         cap = spec.budget_cap
+        assert self.ctx is not None and eng.mask_token_id is not None  # check_spec: speculation has a drafter
+        mask_id: int = eng.mask_token_id
         cache, ctx = self.cache.rows(0, m), self.ctx.rows(0, m)
         longest = max(r.committed for r in self.rows)  # host bounds for the eager "sdpa" attention only
 
@@ -378,7 +393,7 @@ class DecodeBatch:
         def draft(s: _RoundState) -> None:
             # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
             s.committed = cache.lengths.clone()  # [m]
-            block_ids = torch.full((m, spec.block_size), eng.mask_token_id, dtype=torch.long, device=self.device)
+            block_ids = torch.full((m, spec.block_size), mask_id, dtype=torch.long, device=self.device)
             block_ids[:, 0] = self.bonus[:m]
             # eager: the drafter attends to at most min(longest context, window) stored slots (a host
             # bound); graphed: to its whole window, masked on the device
@@ -488,7 +503,7 @@ class DecodeBatch:
             state += [self.ctx.total, self.ctx.k, self.ctx.v]
         return state
 
-    def _run_stages(self, key: tuple, stages: list[tuple[str, Stage]], prev: _RoundState) -> _RoundState:
+    def _run_stages(self, key: tuple, stages: Sequence[tuple[str, Stage]], prev: _RoundState) -> _RoundState:
         """Run `stages` on a copy of `prev`: eagerly, or as one captured graph per key (one per stage
         when profiling, so each stage's device time can be read between them)."""
         t = self.timer
@@ -699,7 +714,10 @@ class Engine:
         """Generate for one prompt (a list of ids) or several (a list of lists) in one batch."""
         spec = spec if spec is not None else SpecConfig()
         single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
-        prompts = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
+        if single:
+            prompts = [list(cast(Sequence[int], prompt_ids))]
+        else:
+            prompts = [list(p) for p in cast(Sequence[Sequence[int]], prompt_ids)]
         longest = max(len(p) for p in prompts)
         batch = self._generate_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
                                      profile)

@@ -177,6 +177,7 @@ class Target(nn.Module):
             mask = build_kv_mask(cache.lengths, n_q, kv_len, tree_mask)  # [bs, 1, q, S]
         else:
             bitmask = verify_bitmask(bs, n_q, tree_mask, tree_bitmask, input_ids.device)
+            backend: Literal["triton", "reference"] = "triton" if attention == "triton" else "reference"
         cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed(input_ids)  # [bs, q, D]
         taps: dict[int, torch.Tensor] = {}
@@ -192,7 +193,7 @@ class Target(nn.Module):
             else:  # the new rows already sit in the cache at lengths[b] + j
                 k_all, v_all = cache.view(i, cache.max_len)
                 o = tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
-                                   backend=attention)
+                                   backend=backend)
             x = x + layer.self_attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
