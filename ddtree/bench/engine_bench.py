@@ -45,7 +45,7 @@ import torch
 
 from ddtree.bench.acceptance import heldout_files, heldout_prompts
 from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count
-from ddtree.bench.syncs import syncs_per_round
+from ddtree.bench.syncs import round_syncs
 from ddtree.config import SpecConfig
 from ddtree.engine import ATTENTION_BACKENDS, Engine, GenerationResult, Request
 from ddtree.errors import ConfigError
@@ -196,7 +196,8 @@ def measure_syncs(engine: Engine, prompts: list[list[int]], spec: SpecConfig, ma
     batch = engine._generate_batch(spec, len(prompts), longest + max_new_tokens + spec.max_nodes, None)
     try:
         batch.add_many([Request(str(i), p, max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)])
-        return syncs_per_round(batch, rounds=3, warmup_rounds=2)
+        counts = round_syncs(batch, rounds=3, warmup_rounds=2)
+        return sum(counts) / len(counts)
     finally:
         batch.clear()
 

@@ -33,15 +33,11 @@ def count_host_syncs(fn: Callable[[], T]) -> tuple[T, int]:
     return result, sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
 
 
-def syncs_per_round(batch, rounds: int = 4, warmup_rounds: int = 2) -> float:
-    """Mean host syncs of `rounds` DecodeBatch.step() calls after `warmup_rounds` (which capture graphs).
+def round_syncs(batch, rounds: int = 4, warmup_rounds: int = 2) -> list[int]:
+    """Host syncs of each of `rounds` DecodeBatch.step() calls after `warmup_rounds` (which capture graphs).
 
     The batch must have running requests that outlast warmup_rounds + rounds rounds.
     """
     for _ in range(warmup_rounds):
         batch.step()
-    total = 0
-    for _ in range(rounds):
-        _, n = count_host_syncs(batch.step)
-        total += n
-    return total / rounds
+    return [count_host_syncs(batch.step)[1] for _ in range(rounds)]

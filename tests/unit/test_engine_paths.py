@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.bench.syncs import count_host_syncs
+from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
 from ddtree.engine import Engine, Request
@@ -157,9 +157,7 @@ def test_graphed_slots_refill_across_buckets() -> None:
 def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int) -> list[int]:
     batch = engine.open_batch(spec, max_batch=rows, max_len=256)
     batch.add_many([Request(str(i), p, 100) for i, p in enumerate(prompts(rows, seed=2))])
-    for _ in range(3):  # capture every graph first
-        batch.step()
-    return [count_host_syncs(batch.step)[1] for _ in range(3)]
+    return round_syncs(batch, rounds=3, warmup_rounds=3)  # the warm-up rounds capture every graph
 
 
 @pytest.mark.gpu
