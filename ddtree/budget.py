@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ddtree.errors import ConfigError
-from ddtree.tree import DraftTrees, build_trees
+from ddtree.kernels import tree_ops
+from ddtree.tree import DraftTrees
 
 if TYPE_CHECKING:
     from ddtree.engine import Engine
@@ -281,6 +282,6 @@ def _time_draft(engine: Engine, bs: int, context: int, block_size: int, draft_wi
 
     def draft_once() -> object:
         logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=None if graphed else context)  # [bs, L, V]
-        return build_trees(logits, max_budget, topk)
+        return tree_ops.build_trees(logits, max_budget, topk)  # the engine's build: fused on CUDA
 
     return _timed(draft_once, device, repeats, graphed)

@@ -6,7 +6,7 @@ One round for every running request at once (DESIGN section 2):
     2. build     build_trees: the best `budget` paths by drafter log-probability (a chain for DFLASH)
     3. compile   compile_trees: [bonus, nodes], positions start + depth, ancestor-or-self mask
     4. verify    one target forward over every tree; the target's token at every node
-    5. walk      follow_trees_by_mask: the nodes whose every ancestor matches the target; the deepest gives the bonus
+    5. walk      follow_trees: the nodes whose every ancestor matches the target; the deepest gives the bonus
     6. compact   move the accepted nodes' KV after the prefix; feed their hidden states to the drafter
 
 Rows of a `DecodeBatch` are kept packed at the front (a finished request's slot is refilled by moving
@@ -15,8 +15,9 @@ synchronisation per round is the one that hands the new tokens back to the calle
 `budget="auto"` there is a second one, after step 2, that reads the chosen tree size (ddtree.budget).
 
 On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as two CUDA
-graphs (steps 1-2, then 3-6; ddtree.cuda_graphs), rows padded to a captured bucket; elsewhere the
-same stage functions run eagerly. Either way the tokens committed are the target's own.
+graphs (steps 1-2, then 3-6; ddtree.cuda_graphs), rows padded to a captured bucket, and steps 2, 3
+and 5 are one Triton kernel each (ddtree.kernels.tree_ops); elsewhere the same stage functions run
+eagerly on ddtree.tree's torch code. Either way the tokens committed are the target's own.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from ddtree.budget import VerifyCostModel, choose_budget, default_node_counts, d
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import GraphCache, row_bucket, tree_sizes
 from ddtree.errors import ConfigError, RequestError
+from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, triton_available
 from ddtree.sampling import choose_tokens_no_sync
-from ddtree.tree import CompiledTrees, DraftTrees, build_trees, compaction_indices, compile_trees, follow_trees_by_mask
+from ddtree.tree import CompiledTrees, DraftTrees, compaction_indices
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
@@ -402,7 +404,7 @@ class DecodeBatch:
 
         # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
         def build(s: _RoundState) -> None:
-            s.trees = build_trees(s.draft_logits, cap, spec.topk)
+            s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
 
         drafted = self._run_stages(("draft", m), [("draft", draft), ("build", build)], _RoundState())
         budget = cap
@@ -422,7 +424,7 @@ class DecodeBatch:
         # 3. compile: [bonus, nodes], positions start + depth, the ancestor-or-self mask (and its bits)
         def compile_(s: _RoundState) -> None:
             s.trees = truncate_trees(s.trees, budget) if budget < cap else s.trees
-            s.compiled = compile_trees(s.trees, self.bonus[:m], s.committed)
+            s.compiled = tree_ops.compile_trees(s.trees, self.bonus[:m], s.committed)
 
         # 4. verify: one target forward over every tree; the target's token at every node
         def verify(s: _RoundState) -> None:
@@ -435,8 +437,9 @@ class DecodeBatch:
 
         # 5. walk: the nodes whose every ancestor matches the target's token; the deepest gives the bonus
         def walk(s: _RoundState) -> None:
-            # from the compiled ancestor mask: a fixed 28 ops, where walking depth by depth is ~125 at L = 7
-            accepted, s.accept_lens, s.new_bonus = follow_trees_by_mask(s.trees, s.compiled.mask, s.target_tokens)
+            # from the compiled ancestor mask: one kernel on CUDA, a fixed 28 ops on the CPU (walking depth by
+            # depth is ~125 at L = 7)
+            accepted, s.accept_lens, s.new_bonus = tree_ops.follow_trees(s.trees, s.compiled, s.target_tokens)
             # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
             s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
 

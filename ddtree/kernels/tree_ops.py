@@ -1,0 +1,350 @@
+"""Tree build, compile and walk for a batch, one Triton kernel each, with ddtree.tree's torch code as reference.
+
+The torch versions in ddtree.tree loop over depth with a handful of small ops per step (~76 kernels for
+the selection at L = 7, ~35 for the compile, 28 for the walk); on a GPU each is a launch of a few
+microseconds, which is more than the arithmetic. Here one program per row does the whole step in
+registers:
+
+* select: per depth, the best B of the B x K extensions, then the best B over all depths. Candidates
+  are ranked by sorting packed int64 keys (order-preserving float32 bits of the score in the high word,
+  the reversed candidate index in the low word), so a descending sort is a stable descending sort by
+  score; the sorted keys go through a small scratch buffer to read the first B back.
+* compile: input ids, positions, the ancestor-or-self mask and its packed words, by walking every
+  node's parent chain L times.
+* walk: the nodes whose every ancestor-or-self agrees with the target's token at its parent (the
+  packed words against the packed agreement bits), their depths as columns, the deepest one's token.
+
+Results equal the torch versions bit for bit (scores are the same float32 additions in the same order);
+only exact score ties may pick or order different, equally good, nodes, as between the heap and the
+torch selection. Trees of more than MAX_FUSED_NODES nodes (budget >= 128) use the torch code.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ddtree import tree as tree_torch
+from ddtree.kernels.bitmask import num_words
+from ddtree.tree import CompiledTrees, DraftTrees
+
+try:  # Triton is optional: CPU machines use the torch code (or the interpreter, in tests)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+MAX_FUSED_NODES = 128  # root + budget; the compile holds an n x n mask tile in registers
+_MAX_SORT = 4096  # keys one program sorts (B x K candidates per depth, L x B slots overall)
+
+
+def _mono_key(x: float) -> int:
+    """The int32 a float32 maps to in the kernels' order-preserving encoding (for the -inf padding key)."""
+    bits = int(torch.tensor([x], dtype=torch.float32).view(torch.int32))
+    return bits ^ 0x7FFFFFFF if bits < 0 else bits
+
+
+_NEG_KEY = _mono_key(float("-inf")) << 32  # a padding slot: scores below every real path
+
+
+def fused_fits(budget: int, topk: int, depth: int) -> bool:
+    """Whether the fused kernels take a tree of this shape (else the torch code runs)."""
+    if triton is None:
+        return False
+    bp, kp, lp = (triton.next_power_of_2(v) for v in (budget, topk, depth))
+    return budget + 1 <= MAX_FUSED_NODES and bp * kp <= _MAX_SORT and lp * bp <= _MAX_SORT
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_key(x):
+        # float32 -> int32 with the same order (negative floats: flip the magnitude bits)
+        bits = x.to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    @triton.jit
+    def _from_key(k):
+        bits = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _bit_or(a, b):
+        return a | b
+
+    @triton.jit
+    def _select_kernel(
+        LP, IDS, TOK, PAR, DEP, SCORE, NUM, SORT_BUF, SLOT_KEYS, SLOT_NODE, neg_key,
+        s_lp_b, s_lp_l, s_lp_k, s_id_b, s_id_l, s_id_k,
+        L: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
+        LPAD: tl.constexpr, KPAD: tl.constexpr, BPAD: tl.constexpr, SORT_N: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        C: tl.constexpr = BPAD * KPAD  # candidates per depth: slot * KPAD + rank
+        S: tl.constexpr = LPAD * BPAD  # slots over all depths, depth-major
+        lp = LP + row * s_lp_b
+        sort_buf = SORT_BUF + row * SORT_N
+        slot_keys = SLOT_KEYS + row * S
+        slot_node = SLOT_NODE + row * S
+        offs_b = tl.arange(0, BPAD)
+        offs_k = tl.arange(0, KPAD)
+        low = 0xFFFFFFFF
+
+        # depth 1: the best min(K, B) tokens under the root (candidate index = rank)
+        score = tl.load(lp + offs_b * s_lp_k, mask=(offs_b < K) & (offs_b < B), other=float("-inf"))
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 and 0.0 must share a key
+        keys = (_to_key(score).to(tl.int64) << 32) | (C - 1 - offs_b)
+        tl.store(slot_keys + offs_b, keys)
+        for d in range(1, L):
+            lpd = tl.load(lp + d * s_lp_l + offs_k * s_lp_k, mask=offs_k < K, other=float("-inf"))
+            cand = score[:, None] + lpd[None, :]  # [BPAD, KPAD]
+            cand = tl.where(cand == 0.0, 0.0, cand)
+            index = offs_b[:, None] * KPAD + offs_k[None, :]
+            ck = (_to_key(cand).to(tl.int64) << 32) | (C - 1 - index)
+            ck = tl.sort(tl.reshape(ck, [C]), descending=True)
+            tl.store(sort_buf + tl.arange(0, C), ck)
+            tl.debug_barrier()
+            keys = tl.load(sort_buf + offs_b)  # the best BPAD, best first
+            tl.debug_barrier()  # every thread has read before the next depth overwrites the buffer
+            keys = tl.where(offs_b < B, keys, neg_key)
+            tl.store(slot_keys + d * BPAD + offs_b, keys)
+            score = _from_key((keys >> 32).to(tl.int32))
+        tl.debug_barrier()
+
+        # the best B over all depths; on equal scores the lower (shallower, better) slot first
+        offs_s = tl.arange(0, S)
+        sk = tl.load(slot_keys + offs_s, mask=offs_s < L * BPAD, other=0)
+        sk = tl.where(offs_s < L * BPAD, sk, neg_key)
+        gk = ((sk >> 32) << 32) | (S - 1 - offs_s)
+        gk = tl.sort(gk, descending=True)
+        tl.store(sort_buf + offs_s, gk)
+        tl.debug_barrier()
+        nk = tl.load(sort_buf + offs_b)  # node i + 1 = the i-th best slot
+        slot = S - 1 - (nk & low)
+        node_score = _from_key((nk >> 32).to(tl.int32))
+        valid = (node_score > float("-inf")) & (offs_b < B)
+        depth0 = slot // BPAD
+        cand_index = C - 1 - (tl.load(slot_keys + slot, mask=offs_b < B, other=0) & low)
+        rank = cand_index % KPAD
+        token = tl.load(IDS + row * s_id_b + depth0 * s_id_l + rank * s_id_k, mask=valid, other=0)
+        # parents: the parent's slot -> its node index, through a slot -> node table (a valid node's
+        # parent slot is always selected: it scores at least as much and sorts first)
+        tl.store(slot_node + offs_s, tl.zeros([S], dtype=tl.int64))
+        tl.debug_barrier()
+        tl.store(slot_node + slot, (offs_b + 1).to(tl.int64), mask=valid)
+        tl.debug_barrier()
+        parent_slot = (depth0 - 1) * BPAD + cand_index // KPAD
+        has_parent = valid & (depth0 > 0)
+        parent = tl.load(slot_node + parent_slot, mask=has_parent, other=0)
+        out = row * B + offs_b
+        keep = offs_b < B
+        tl.store(TOK + out, tl.where(valid, token, 0), mask=keep)
+        tl.store(PAR + out, tl.where(has_parent, parent, 0), mask=keep)
+        tl.store(DEP + out, tl.where(valid, depth0 + 1, 0).to(tl.int64), mask=keep)
+        tl.store(SCORE + out, tl.where(valid, node_score, float("-inf")), mask=keep)
+        tl.store(NUM + row, tl.sum(valid.to(tl.int64), axis=0))
+
+    @triton.jit
+    def _compile_kernel(
+        TOK, PAR, DEP, ROOT, START, IDS_OUT, POS_OUT, MASK_OUT, WORDS_OUT,
+        s_t_b, s_t_n, s_p_b, s_p_n, s_d_b, s_d_n, s_w_b, s_w_n, s_w_w,
+        N, W,
+        L: tl.constexpr, NPAD: tl.constexpr, WPAD: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, NPAD)  # node index; 0 is the root
+        offs_w = tl.arange(0, WPAD)
+        is_node = (offs >= 1) & (offs < N)
+        dep = tl.load(DEP + row * s_d_b + (offs - 1) * s_d_n, mask=is_node, other=0)
+        tok = tl.load(TOK + row * s_t_b + (offs - 1) * s_t_n, mask=is_node, other=0)
+        root = tl.load(ROOT + row)
+        start = tl.load(START + row)
+        in_tree = offs < N
+        tl.store(IDS_OUT + row * N + offs, tl.where(dep > 0, tok, root), mask=in_tree)
+        tl.store(POS_OUT + row * N + offs, start + dep, mask=in_tree)
+
+        one = tl.full([NPAD, WPAD], 1, tl.int64)
+        cur = offs.to(tl.int64)
+        mask = offs[:, None] == offs[None, :]  # [NPAD, NPAD] ancestor-or-self
+        words = tl.where((cur // 64)[:, None] == offs_w[None, :], one << (cur % 64)[:, None], 0)
+        for _ in range(L):  # a node has at most L ancestors besides the root, which is its own parent
+            cur = tl.load(PAR + row * s_p_b + (cur - 1) * s_p_n, mask=(cur >= 1) & (cur < N), other=0)
+            mask = mask | (cur[:, None] == offs[None, :])
+            words = words | tl.where((cur // 64)[:, None] == offs_w[None, :], one << (cur % 64)[:, None], 0)
+        tl.store(MASK_OUT + row * N * N + offs[:, None] * N + offs[None, :], mask.to(tl.int8),
+                 mask=in_tree[:, None] & in_tree[None, :])
+        tl.store(WORDS_OUT + row * s_w_b + offs[:, None] * s_w_n + offs_w[None, :] * s_w_w, words,
+                 mask=in_tree[:, None] & (offs_w < W)[None, :])
+
+    @triton.jit
+    def _walk_kernel(
+        TOK, PAR, DEP, TGT, WORDS, ACC, LENS, BONUS,
+        s_t_b, s_t_n, s_p_b, s_p_n, s_d_b, s_d_n, s_g_b, s_g_n, s_w_b, s_w_n, s_w_w,
+        N, W, COLS,
+        NPAD: tl.constexpr, WPAD: tl.constexpr, CPAD: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, NPAD)
+        offs_w = tl.arange(0, WPAD)
+        is_node = (offs >= 1) & (offs < N)
+        dep = tl.load(DEP + row * s_d_b + (offs - 1) * s_d_n, mask=is_node, other=0)
+        tok = tl.load(TOK + row * s_t_b + (offs - 1) * s_t_n, mask=is_node, other=0)
+        par = tl.load(PAR + row * s_p_b + (offs - 1) * s_p_n, mask=is_node, other=0)
+        want = tl.load(TGT + row * s_g_b + par * s_g_n, mask=is_node, other=-1)  # the target at the parent
+        agrees = (offs == 0) | (is_node & (dep > 0) & (tok == want))
+        one = tl.full([NPAD, WPAD], 1, tl.int64)
+        bits = tl.where(((offs // 64)[:, None] == offs_w[None, :]) & agrees[:, None],
+                        one << (offs % 64).to(tl.int64)[:, None], 0)
+        agree_words = tl.reduce(bits, 0, _bit_or)  # [WPAD]
+        anc = tl.load(WORDS + row * s_w_b + offs[:, None] * s_w_n + offs_w[None, :] * s_w_w,
+                      mask=(offs < N)[:, None] & (offs_w < W)[None, :], other=0)
+        disagree = tl.sum(((anc & ~agree_words[None, :]) != 0).to(tl.int32), axis=1)
+        on_path = (disagree == 0) & (offs < N)
+        depth = tl.where(offs == 0, 0, dep)
+        cols = tl.arange(0, CPAD)
+        hit = on_path[None, :] & (depth[None, :] == cols[:, None])  # [CPAD, NPAD]: at most one per column
+        node = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+        found = tl.sum(hit.to(tl.int32), axis=1) > 0
+        tl.store(ACC + row * COLS + cols, tl.where(found, node, -1).to(tl.int64), mask=cols < COLS)
+        tl.store(LENS + row, tl.sum(on_path.to(tl.int64), axis=0))
+        deepest = tl.max(tl.where(on_path, depth * NPAD + offs, -1), axis=0) % NPAD
+        tl.store(BONUS + row, tl.load(TGT + row * s_g_b + deepest * s_g_n))
+
+
+def _need_triton(what: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{what}: triton is not installed (pip install 'triton>=3.0')")
+
+
+def select_trees_triton(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTrees:
+    """The Triton path of the selection (ddtree.tree._batched_trees): log_probs/ids[bs, L, K] -> DraftTrees."""
+    _need_triton("select_trees_triton")
+    bs, depth, k = log_probs.shape
+    if not fused_fits(budget, k, depth):
+        raise ValueError(f"budget: {budget} with topk {k} and depth {depth} is too large for the fused "
+                         f"kernels (allowed budget <= {MAX_FUSED_NODES - 1})")
+    log_probs = log_probs.float()
+    lpad, kpad, bpad = (triton.next_power_of_2(v) for v in (depth, k, budget))
+    sort_n = max(bpad * kpad, lpad * bpad)
+    dev = log_probs.device
+    tokens = torch.empty(bs, budget, dtype=torch.long, device=dev)
+    parents, depths = torch.empty_like(tokens), torch.empty_like(tokens)
+    scores = torch.empty(bs, budget, dtype=torch.float32, device=dev)
+    num = torch.empty(bs, dtype=torch.long, device=dev)
+    sort_buf = torch.empty(bs, sort_n, dtype=torch.long, device=dev)
+    slot_keys = torch.empty(bs, lpad * bpad, dtype=torch.long, device=dev)
+    slot_node = torch.empty_like(slot_keys)
+    if bs:
+        _select_kernel[(bs,)](
+            log_probs, ids, tokens, parents, depths, scores, num, sort_buf, slot_keys, slot_node, _NEG_KEY,
+            *log_probs.stride(), *ids.stride(),
+            L=depth, K=k, B=budget, LPAD=lpad, KPAD=kpad, BPAD=bpad, SORT_N=sort_n, num_warps=4,
+        )
+    return DraftTrees(tokens, parents, depths, scores, num, depth)
+
+
+def _words_out(bs: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-word output in the bitmask module's layout ([bs, n] or [bs, n, W]) and its [bs, n, W] view."""
+    w = num_words(n)
+    words = torch.empty(bs, n, w, dtype=torch.long, device=device)
+    return (words[..., 0] if w == 1 else words), words
+
+
+def compile_trees_triton(trees: DraftTrees, root_tokens: torch.Tensor, starts: torch.Tensor) -> CompiledTrees:
+    """The Triton path of ddtree.tree.compile_trees. The bitmask is always given (multi-word past 64 nodes)."""
+    _need_triton("compile_trees_triton")
+    bs, b = trees.tokens.shape
+    n = b + 1
+    if n > MAX_FUSED_NODES:
+        raise ValueError(f"budget: {b} is too large for the fused kernels (allowed <= {MAX_FUSED_NODES - 1})")
+    dev = trees.tokens.device
+    root_tokens = torch.as_tensor(root_tokens, dtype=torch.long, device=dev).reshape(bs)
+    starts = torch.as_tensor(starts, dtype=torch.long, device=dev).reshape(bs)
+    input_ids = torch.empty(bs, n, dtype=torch.long, device=dev)
+    position_ids = torch.empty_like(input_ids)
+    mask = torch.empty(bs, n, n, dtype=torch.int8, device=dev)
+    bitmask, words = _words_out(bs, n, dev)
+    w = words.shape[-1]
+    if bs:
+        _compile_kernel[(bs,)](
+            trees.tokens, trees.parents, trees.depths, root_tokens, starts, input_ids, position_ids, mask, words,
+            *trees.tokens.stride(), *trees.parents.stride(), *trees.depths.stride(), *words.stride(), n, w,
+            L=trees.max_depth, NPAD=triton.next_power_of_2(n), WPAD=triton.next_power_of_2(w), num_warps=4,
+        )
+    return CompiledTrees(input_ids, position_ids, mask.view(torch.bool), bitmask)
+
+
+def follow_trees_triton(
+    trees: DraftTrees, bitmask: torch.Tensor, target_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton path of ddtree.tree.follow_trees_by_mask, from the packed words instead of the bool mask."""
+    _need_triton("follow_trees_triton")
+    bs, b = trees.tokens.shape
+    n = b + 1
+    if tuple(target_tokens.shape) != (bs, n):
+        raise ValueError(f"target_tokens: expected shape {(bs, n)}, got {tuple(target_tokens.shape)}")
+    if n > MAX_FUSED_NODES:
+        raise ValueError(f"budget: {b} is too large for the fused kernels (allowed <= {MAX_FUSED_NODES - 1})")
+    w = num_words(n)
+    words = bitmask[..., None] if w == 1 else bitmask
+    if tuple(words.shape) != (bs, n, w):
+        raise ValueError(f"bitmask: expected {(bs, n) if w == 1 else (bs, n, w)} int64 words, got "
+                         f"{tuple(bitmask.shape)}")
+    dev = trees.tokens.device
+    target_tokens = target_tokens.to(dtype=torch.long)
+    cols = trees.max_depth + 1
+    accepted = torch.empty(bs, cols, dtype=torch.long, device=dev)
+    lens = torch.empty(bs, dtype=torch.long, device=dev)
+    bonus = torch.empty(bs, dtype=torch.long, device=dev)
+    if bs:
+        _walk_kernel[(bs,)](
+            trees.tokens, trees.parents, trees.depths, target_tokens, words, accepted, lens, bonus,
+            *trees.tokens.stride(), *trees.parents.stride(), *trees.depths.stride(), *target_tokens.stride(),
+            *words.stride(), n, w, cols,
+            NPAD=triton.next_power_of_2(n), WPAD=triton.next_power_of_2(w), CPAD=triton.next_power_of_2(cols),
+            num_warps=4,
+        )
+    return accepted, lens, bonus
+
+
+# -- dispatch: the fused kernels where they apply, else ddtree.tree's torch code -----------------------
+def _use_triton(backend: Backend, device: torch.device, fits: bool) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"tree backend: {backend!r} is not one of {BACKENDS}")
+    if backend == "torch":
+        return False
+    if backend == "triton" and not fits:
+        return False  # too large for the fused kernels: the torch code is always correct
+    return fits and (backend == "triton" or device.type == "cuda")
+
+
+def build_trees(logits: torch.Tensor, budget: int, topk: int, backend: Backend = "auto") -> DraftTrees:
+    """ddtree.tree.build_trees with the selection in one kernel where it applies (CUDA, or forced)."""
+    tree_torch._check_budget_topk(budget, topk)
+    tree_torch._check_logits(logits, 3, "[bs, L, V]")
+    log_probs, ids = tree_torch.top_log_probs_fast(logits, topk)  # [bs, L, K]
+    if _use_triton(backend, logits.device, fused_fits(budget, ids.shape[-1], ids.shape[1])):
+        return select_trees_triton(log_probs, ids, budget)
+    return tree_torch._batched_trees(log_probs, ids, budget)
+
+
+def compile_trees(trees: DraftTrees, root_tokens: torch.Tensor, starts: torch.Tensor,
+                  backend: Backend = "auto") -> CompiledTrees:
+    """ddtree.tree.compile_trees in one kernel where it applies."""
+    if _use_triton(backend, trees.tokens.device, trees.budget + 1 <= MAX_FUSED_NODES and triton is not None):
+        return compile_trees_triton(trees, root_tokens, starts)
+    return tree_torch.compile_trees(trees, root_tokens, starts)
+
+
+def follow_trees(trees: DraftTrees, compiled: CompiledTrees, target_tokens: torch.Tensor,
+                 backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk (ddtree.tree.follow_trees_by_mask) in one kernel where it applies: needs compiled.bitmask."""
+    fits = trees.budget + 1 <= MAX_FUSED_NODES and compiled.bitmask is not None and triton is not None
+    if _use_triton(backend, trees.tokens.device, fits):
+        assert compiled.bitmask is not None
+        return follow_trees_triton(trees, compiled.bitmask, target_tokens)
+    return tree_torch.follow_trees_by_mask(trees, compiled.mask, target_tokens)
