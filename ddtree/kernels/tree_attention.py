@@ -212,7 +212,7 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        # 2. the tree block (split 0 only): keys visible by the ancestor bitmask, one word per tile
+        # 2. the tree block (split 0 only): keys visible by the ancestor bitmask, tiles of one word or less
         if split == 0:
             if TREE_IN_CACHE:
                 kt_base = KT + b * skt_b + hk * skt_h + cache_len * skt_s
@@ -226,8 +226,10 @@ if triton is not None:
                 kv_mask = col_ok[:, None] & dim_ok[None, :]
                 k = tl.load(kt_base + cols[:, None] * skt_s + dims[None, :] * skt_d, mask=kv_mask, other=0.0)
                 v = tl.load(vt_base + cols[:, None] * svt_s + dims[None, :] * svt_d, mask=kv_mask, other=0.0)
-                word = tl.load(BITS + b * sbit_b + node * sbit_n + w * sbit_w, mask=row_ok, other=0)  # [BLOCK_M]
-                bit = (word[:, None] >> (cols - w * BLOCK_T)[None, :].to(tl.int64)) & 1
+                # a tile never straddles a word: BLOCK_T divides 64
+                word_at = (w * BLOCK_T) // 64
+                word = tl.load(BITS + b * sbit_b + node * sbit_n + word_at * sbit_w, mask=row_ok, other=0)  # [BLOCK_M]
+                bit = (word[:, None] >> (cols - word_at * 64)[None, :].to(tl.int64)) & 1
                 vis = (bit != 0) & col_ok[None, :]
                 if FP32_DOT:
                     s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -307,6 +309,11 @@ def row_block(n_rows: int, fp32: bool = False) -> int:
     return max(16, min(64 if fp32 else 128, 1 << max(n_rows - 1, 0).bit_length()))
 
 
+def tree_tile(n: int, fp32: bool = False) -> int:
+    """Tree keys per tile: the tree in one tile up to a word (64 keys)."""
+    return max(16, min(_TREE_TILE, triton.next_power_of_2(n) if triton else 64))
+
+
 def choose_splits(programs: int, max_prefix: int, device: torch.device) -> int:
     """Prefix splits per program so the grid fills about two waves; a split keeps >= 256 prefix keys.
 
@@ -331,11 +338,16 @@ def tree_attention_triton(
     scale: float,
     splits: int | None = None,
     out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The Triton path of `tree_attention` (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     splits: prefix splits per (request, kv head, row block); None picks from the shapes. out: an optional
-    preallocated [bs, Hq, n, d] output (any strides), e.g. for CUDA graphs.
+    preallocated [bs, Hq, n, d] output (any strides), e.g. for CUDA graphs. block_m (query rows per
+    program), block_t (tree keys per tile, a power of two 16..64) and num_warps override the choices made
+    from the shapes (for tuning runs).
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton: triton is not installed (pip install 'triton>=3.0')")
@@ -356,8 +368,10 @@ def tree_attention_triton(
     # float32 inputs need IEEE dots (TF32 would cost ~1e-3); the interpreter's bf16/fp16 dot is broken in
     # Triton 3.9, so on CPU the operands are upcast too (same indexing and masking, fp32 products)
     fp32_dot = q.dtype == torch.float32 or not q.is_cuda
-    block_m = row_block(n_rows, fp32=q.dtype == torch.float32)
-    block_t = max(16, min(_TREE_TILE, triton.next_power_of_2(n)))
+    block_m = block_m or row_block(n_rows, fp32=q.dtype == torch.float32)
+    block_t = block_t or tree_tile(n, fp32=q.dtype == torch.float32)
+    if block_t not in (16, 32, 64):
+        raise ValueError(f"tree_attention: block_t must be 16, 32 or 64 (a tile within one bitmask word), got {block_t}")
     block_d = max(16, triton.next_power_of_2(d))
     row_blocks = triton.cdiv(n_rows, block_m)
     prefix_max = max_len - n if tree_in_cache else max_len
@@ -372,7 +386,7 @@ def tree_attention_triton(
         pacc = torch.empty(bs * hkv * splits * n_rows, block_d, device=q.device, dtype=torch.float32)
     else:
         pm = pl = pacc = out  # unused
-    num_warps = 4 if block_m * block_d <= 64 * 64 else 8
+    num_warps = num_warps or (4 if block_m * block_d <= 64 * 64 else 8)
     _tree_attn_fwd[grid](
         q, k_cache, v_cache, kt, vt, cache_lens, words, out, pm, pl, pacc,
         scale * 1.4426950408889634, n, n_rows, hkv,

@@ -228,6 +228,22 @@ def test_triton_splits_agree(splits: int) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize(("block_t", "block_m", "num_warps"), [(16, None, None), (32, 16, 2), (64, 32, 8)])
+def test_triton_tile_overrides_agree(block_t: int, block_m: int | None, num_warps: int | None) -> None:
+    """Smaller tree tiles (several per bitmask word, across two words) and row blocks give the same answer."""
+    case = Case(2, 40, 70, 2, 2, 32, torch.float32, False, seed=24)
+    inputs = make_inputs(case, DEVICE)
+    out = tree_attention_triton(**inputs, block_t=block_t, block_m=block_m, num_warps=num_warps)
+    assert_close(out, exact(inputs), what=f"block_t {block_t}, block_m {block_m}")
+
+
+def test_triton_rejects_a_tile_across_words() -> None:
+    inputs = make_inputs(Case(1, 4, 5, 1, 1, 16, torch.float32, False), torch.device("cpu"))
+    with pytest.raises(ValueError, match="block_t must be 16, 32 or 64"):
+        tree_attention_triton(**inputs, block_t=128)
+
+
+@needs_triton
 def test_triton_chain_bitmask_and_strided_inputs() -> None:
     """The chain (causal bitmask broadcast over the batch) and q in [bs, n, H, d] memory order."""
     case = Case(3, 70, 17, 2, 2, 64, torch.float32, True, seed=22)
