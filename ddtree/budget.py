@@ -281,7 +281,8 @@ def _time_draft(engine: Engine, bs: int, context: int, block_size: int, draft_wi
     starts = torch.full((bs,), context, dtype=torch.long, device=device)
 
     def draft_once() -> object:
-        logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=None if graphed else context)  # [bs, L, V]
+        logits = drafter.forward(ctx, block_ids, starts, ctx_len_hint=None if graphed else context,
+                                 attention=engine.attention)  # [bs, L, V]
         return tree_ops.build_trees(logits, max_budget, topk)  # the engine's build: fused on CUDA
 
     return _timed(draft_once, device, repeats, graphed)

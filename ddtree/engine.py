@@ -399,8 +399,8 @@ class DecodeBatch:
             block_ids[:, 0] = self.bonus[:m]
             # eager: the drafter attends to at most min(longest context, window) stored slots (a host
             # bound); graphed: to its whole window, masked on the device
-            s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed,
-                                                 ctx_len_hint=None if graphed else longest)  # [m, L, V]
+            s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=None if graphed else longest,
+                                                 attention=self.attention)  # [m, L, V]
 
         # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
         def build(s: _RoundState) -> None:
@@ -608,6 +608,11 @@ class Engine:
             raise ConfigError(f"cuda_graphs: need a CUDA device and a kernel attention (device {self.device}, "
                               f"attention {self.attention!r})")
         self.cuda_graphs: bool = can_graph if cuda_graphs is None else bool(cuda_graphs)
+        if self.device.type == "cuda" and target.dtype == torch.float32:
+            # Process-wide. cuBLAS's default heuristics run float32 GEMMs of 8-13 rows 2-3x slower than
+            # cuBLASLt on the H200 (35-62 vs 19 us; a whole fixture verify 1.96 vs 0.59 ms, docs/perf.md),
+            # and verify widths x rows land right there
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         cfg = target.config
         self.vocab_size: int = cfg.vocab_size
         self.eos_token_id: int | None = _first_id(getattr(cfg, "eos_token_id", None))

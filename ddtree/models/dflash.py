@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.kernels.tree_attention import tree_attention
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
-from ddtree.models.target import Target, init_weights_
+from ddtree.models.target import ATTENTION_CHOICES, AttentionPath, Target, init_weights_
 
 
 class DraftAttention(GQAProjections):
@@ -159,29 +160,41 @@ class DFlashDrafter(nn.Module):
 
     # -- drafting ----------------------------------------------------------------------------
     def forward(
-        self, ctx: DraftContext, block_ids: torch.Tensor, start: torch.Tensor, ctx_len_hint: int | None = None
+        self, ctx: DraftContext, block_ids: torch.Tensor, start: torch.Tensor, ctx_len_hint: int | None = None,
+        attention: AttentionPath = "sdpa",
     ) -> torch.Tensor:
         """block_ids[bs, block] = [bonus, MASK...] at positions start[b].. -> logits[bs, block-1, V] float32.
 
-        ctx_len_hint: optional python int >= max stored context, to bound the attention
-        (default: exact on the CPU, the full capacity on an accelerator).
+        ctx_len_hint: optional python int >= max stored context, to bound the "sdpa" attention
+        (default: exact on the CPU, the full capacity on an accelerator). attention "triton" / "reference":
+        ddtree.kernels.tree_attention reads each row's stored context slots in place (the count is read on
+        the device) and the block as a fully visible tree: no mask, no copy of the window, static shapes.
         """
         bs, block = block_ids.shape
         if block < 2:
             raise ConfigError(f"block_size: must be >= 2 (bonus + at least one draft position), got {block}")
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_CHOICES}")
         device = block_ids.device
         stored = ctx.stored  # [bs]
-        if ctx_len_hint is not None:
-            n_ctx = min(ctx_len_hint, ctx.capacity)
-        elif stored.device.type == "cpu":
-            n_ctx = int(stored.max())
+        mask = bitmask = None
+        n_ctx = 0
+        if attention == "sdpa":
+            if ctx_len_hint is not None:
+                n_ctx = min(ctx_len_hint, ctx.capacity)
+            elif stored.device.type == "cpu":
+                n_ctx = int(stored.max())
+            else:
+                n_ctx = ctx.capacity
+            ctx_ok = torch.arange(n_ctx, device=device)[None, :] < stored[:, None]  # [bs, S]
+            mask = torch.cat(
+                [ctx_ok[:, None, :].expand(bs, block, n_ctx),
+                 torch.ones(bs, block, block, dtype=torch.bool, device=device)],
+                dim=-1,
+            )[:, None]  # [bs, 1, block, S + block]
         else:
-            n_ctx = ctx.capacity
-        ctx_ok = torch.arange(n_ctx, device=device)[None, :] < stored[:, None]  # [bs, S]
-        mask = torch.cat(
-            [ctx_ok[:, None, :].expand(bs, block, n_ctx), torch.ones(bs, block, block, dtype=torch.bool, device=device)],
-            dim=-1,
-        )[:, None]  # [bs, 1, block, S + block]
+            # every block token sees the whole block: all `block` bits set in each row's word
+            bitmask = torch.full((bs, block), (1 << block) - 1, dtype=torch.long, device=device)
         positions = start.to(device)[:, None] + torch.arange(block, device=device)[None, :]  # [bs, block]
         cos, sin = self.rotary(positions, self.dtype)
         x = self.target.embed(block_ids).to(self.dtype)  # [bs, block, D]
@@ -190,9 +203,14 @@ class DFlashDrafter(nn.Module):
             h = layer.input_layernorm(x)
             q = attn.query(h, cos, sin)
             kb, vb = attn.key_value(h, cos, sin)
-            k = torch.cat([ctx.k[i, :, :, :n_ctx], kb], dim=2)
-            v = torch.cat([ctx.v[i, :, :, :n_ctx], vb], dim=2)
-            x = x + attn.out(attend(q, k, v, mask))
+            if bitmask is None:
+                k = torch.cat([ctx.k[i, :, :, :n_ctx], kb], dim=2)
+                v = torch.cat([ctx.v[i, :, :, :n_ctx], vb], dim=2)
+                o = attend(q, k, v, mask)
+            else:  # slots < stored hold context (ring order does not matter: no causal order)
+                o = tree_attention(q, ctx.k[i], ctx.v[i], stored, kb, vb, bitmask, q.shape[-1] ** -0.5,
+                                   backend="triton" if attention == "triton" else "reference")
+            x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype))
 

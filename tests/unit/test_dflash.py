@@ -148,15 +148,16 @@ def _incremental(drafter, taps, anchors: list[int], block: int, window, chunk: i
     return ctx
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "reference"])
 @pytest.mark.parametrize("window", [None, 6], ids=["no-window", "w6"])
-def test_incremental_equals_training_path_and_naive_reference(drafter, seq, window) -> None:
+def test_incremental_equals_training_path_and_naive_reference(drafter, seq, window, attention) -> None:
     ids, taps = seq
     anchors = [17, 9]
     block = drafter.config.block_size
     with torch.no_grad():
         ctx = _incremental(drafter, taps, anchors, block, window)
         assert ctx.total.tolist() == anchors
-        inc = drafter(ctx, _block(ids, anchors, block), torch.tensor(anchors))
+        inc = drafter(ctx, _block(ids, anchors, block), torch.tensor(anchors), attention=attention)
         train = drafter.forward_train(taps, ids, torch.tensor([[17, 3, 9], [9, 17, 0]]), block, window)
         assert inc.shape == (2, block - 1, VOCAB) and train.shape == (2, 3, block - 1, VOCAB)
         assert inc.std() > 0.1
@@ -182,7 +183,8 @@ def test_window_equals_only_last_w_positions(drafter, seq) -> None:
     assert (windowed - full).abs().max() > 1e-3  # the window really cut something off
 
 
-def test_ring_buffer_wraps_with_uneven_rows(drafter, seq) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "reference"])
+def test_ring_buffer_wraps_with_uneven_rows(drafter, seq, attention) -> None:
     ids, taps = seq
     w, block = 4, 4
     with torch.no_grad():
@@ -196,7 +198,7 @@ def test_ring_buffer_wraps_with_uneven_rows(drafter, seq) -> None:
             done = [d + c for d, c in zip(done, counts)]
         assert ctx.total.tolist() == done == [16, 18]
         assert ctx.stored.tolist() == [w, w]
-        out = drafter(ctx, _block(ids, done, block), torch.tensor(done))
+        out = drafter(ctx, _block(ids, done, block), torch.tensor(done), attention=attention)
         train = drafter.forward_train(taps, ids, torch.tensor([[16], [18]]), block, w)
     torch.testing.assert_close(out, train[:, 0], atol=ATOL, rtol=0)
 
@@ -222,6 +224,13 @@ def test_block_size_other_than_trained(drafter, seq, block) -> None:
         train = drafter.forward_train(taps, ids, torch.tensor([[12], [8]]), block, None)
     assert out.shape == (2, block - 1, VOCAB)
     torch.testing.assert_close(out, train[:, 0], atol=ATOL, rtol=0)
+
+
+def test_unknown_attention_is_refused(drafter, seq) -> None:
+    ids, _ = seq
+    ctx = drafter.new_context(1, None, max_len=16)
+    with pytest.raises(ValueError, match=r"attention: 'flash' is not one of \('sdpa', 'triton', 'reference'\)"):
+        drafter(ctx, ids[:1, :4], torch.tensor([0]), attention="flash")
 
 
 def test_block_size_one_is_refused(drafter) -> None:
