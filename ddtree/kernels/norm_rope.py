@@ -118,6 +118,9 @@ def norm_rope_triton(
     if triton is None:
         raise RuntimeError("norm_rope_triton: triton is not installed (pip install 'triton>=3.0')")
     bs, n, heads, d = _check_inputs(x, weight, cos, sin)
+    if _needs_grad(x, weight, cos, sin):
+        raise ValueError("norm_rope_triton: the kernel has no backward; x or weight requires grad "
+                         "(use backend 'auto' or 'reference' for training)")
     if out is None:
         out = torch.empty(bs, heads, n, d, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (bs, heads, n, d) or out.dtype != x.dtype or not out.is_contiguous():
@@ -137,6 +140,10 @@ def norm_rope_triton(
     return out
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def norm_rope(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -148,11 +155,13 @@ def norm_rope(
     """x[bs, n, heads, d] -> RoPE(RMSNorm(x) if weight is not None else x) as [bs, heads, n, d].
 
     weight[d] in x's dtype (a q_norm / k_norm weight) or None (no norm); cos/sin [bs, 1, n, d] in x's
-    dtype. backend "auto" runs the Triton kernel on CUDA when Triton is installed, else the reference
+    dtype. backend "auto" runs the Triton kernel on CUDA when Triton is installed and no gradient has to
+    flow through (the kernel has no backward: forward_train keeps the torch ops), else the reference
     (the CPU therefore keeps the models' old numerics bit for bit).
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"norm_rope: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None):
+    if backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None
+                               and not _needs_grad(x, weight, cos, sin)):
         return norm_rope_triton(x, weight, eps, cos, sin)
     return norm_rope_reference(x, weight, eps, cos, sin)

@@ -173,6 +173,22 @@ def test_dispatcher_picks_triton_by_device() -> None:
                  **_tolerance(case.dtype))
 
 
+@needs_triton
+def test_training_keeps_the_differentiable_reference() -> None:
+    """The kernel has no backward: auto must not pick it when a gradient flows, and 'triton' refuses."""
+    case = CPU_CASES[0]
+    x, weight, cos, sin = make_inputs(case, DEVICE)
+    assert weight is not None
+    weight.requires_grad_()
+    out = norm_rope(x, weight, EPS, cos, sin)
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0, "no gradient reached the norm weight"
+    with pytest.raises(ValueError, match="no backward"):
+        norm_rope(x, weight, EPS, cos, sin, backend="triton")
+    with torch.no_grad():
+        assert_close(norm_rope(x, weight, EPS, cos, sin, backend="triton"), out.detach(), what="triton under no_grad")
+
+
 @pytest.mark.skipif(not interpreter_off_but_installed(),
                     reason="the Triton cases ran in this process (CUDA, or the interpreter was on at import), "
                            "or triton is not installed")

@@ -111,6 +111,7 @@ def test_training_updates_reach_the_fused_gemm() -> None:
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.abs().sum() > 0
+    assert attn.q_norm is not None and attn.q_norm.weight.grad is not None  # through norm_rope's torch path
     assert model.model.layers[0].mlp.up_proj.bias.grad is not None
     opt.step()
     fused, _ = _logits(model, ids)
