@@ -601,6 +601,12 @@ class Engine:
         = on wherever possible (CUDA with a kernel attention); graphs need static shapes, which only the
         kernel attention gives (it reads each row's prefix length on the device)."""
         self.target, self.drafter = target, drafter
+        # one GEMM for q/k/v and one for gate/up per layer: small forwards are launch-bound on a GPU. On
+        # the CPU the fused GEMM gave the same bits as the separate ones (fixture models, f32 and bf16;
+        # tests/unit/test_layers.py checks it), so the CPU runs the same code path as the GPU
+        target.fuse_projections()
+        if drafter is not None:
+            drafter.fuse_projections()
         self.device = next(target.parameters()).device
         self.attention = resolve_attention(attention, self.device)
         can_graph = self.device.type == "cuda" and self.attention != "sdpa"

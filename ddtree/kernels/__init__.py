@@ -1,4 +1,5 @@
-"""Triton kernels for the verify step (tree attention, KV compaction), each with a torch reference beside it."""
+"""Triton kernels for the verify step (tree attention, KV compaction) and the forwards' q/k norm + RoPE,
+each with a torch reference beside it."""
 
 from ddtree.kernels.bitmask import (
     ancestor_mask,
@@ -10,6 +11,11 @@ from ddtree.kernels.kv_compact import (
     compact_kv,
     compact_kv_reference,
     compact_kv_triton,
+)
+from ddtree.kernels.norm_rope import (
+    norm_rope,
+    norm_rope_reference,
+    norm_rope_triton,
 )
 from ddtree.kernels.tree_attention import (
     tree_attention,
@@ -24,6 +30,9 @@ __all__ = [
     "compact_kv",
     "compact_kv_reference",
     "compact_kv_triton",
+    "norm_rope",
+    "norm_rope_reference",
+    "norm_rope_triton",
     "pack_mask",
     "tree_attention",
     "tree_attention_reference",

@@ -7,7 +7,11 @@ d 128, bf16) is timed three ways:
   sdpa_dense    torch SDPA over cache[:prefix + n] with a dense bool mask (ddtree.models.layers.attend,
                 the path the target uses without the kernel)
 compact_kv (28 layers, K and V) is timed as the Triton kernel vs the torch gather/scatter, for random
-accepted paths and for all-contiguous paths (the kernel's no-move case).
+accepted paths and for all-contiguous paths (the kernel's no-move case). The tree steps of a round
+(vocabulary pass, select, compile, walk; ddtree.kernels.tree_ops) are timed as the torch code vs the
+fused kernels on drafter-shaped logits (--tree-*), with the vocabulary pass alone as a third path.
+--tile-variants times extra tree-attention tilings (e.g. t16 = 16-key tree tiles, m32 = 32-row blocks,
+w8 = 8 warps, combinable as t16m32w8) beside the default choice.
 
 Each row reports the median time of eager launches (triton.testing.do_bench) and of CUDA-graph replays
 (do_bench_cudagraph: what a graph-captured engine step pays), the bytes the operation must move at least,
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import traceback
@@ -59,6 +64,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=int, default=100, help="time budget per measurement (ms)")
     p.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")
     p.add_argument("--skip-compact", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--skip-tree", action="store_true")
+    p.add_argument("--tile-variants", nargs="+", default=[], metavar="VARIANT",
+                   help="extra tree-attention tilings: t<16|32|64> tree keys per tile, m<rows> per block, w<warps>")
+    p.add_argument("--tree-vocab", type=int, default=4096, help="drafter vocabulary for the tree steps")
+    p.add_argument("--tree-depth", type=int, default=7, help="L = block_size - 1")
+    p.add_argument("--tree-budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -129,6 +142,11 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
                                                                     x["k_new"], x["v_new"], x["bitmask"], x["scale"]),
                     "sdpa_dense": lambda x=x: attend(x["q"], x["k_cache"], x["v_cache"], x["dense"]),
                 }
+                for variant in args.tile_variants:
+                    over = _tile_variant(variant)
+                    paths[f"triton[{variant}]"] = partial(
+                        lambda x, over: tree_attention_triton(x["q"], x["k_cache"], x["v_cache"], x["lens"], None, None,
+                                                              x["bitmask"], x["scale"], **over), x, over)
                 expected = paths["sdpa_dense"]().float()
                 for name, fn in paths.items():
                     row = dict(base, path=name, bytes=nbytes)
@@ -143,6 +161,61 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
                     rows.append(row)
                     _print_row(row)
                 del x
+    return rows
+
+
+def _tile_variant(text: str) -> dict[str, int]:
+    """'t16m32w8' -> {'block_t': 16, 'block_m': 32, 'num_warps': 8}."""
+    keys = {"t": "block_t", "m": "block_m", "w": "num_warps"}
+    parts = re.findall(r"([tmw])(\d+)", text)
+    if not parts or "".join(f"{k}{v}" for k, v in parts) != text:
+        raise SystemExit(f"--tile-variants: {text!r} is not like t16, m32, w8 or t16m32w8")
+    return {keys[k]: int(v) for k, v in parts}
+
+
+# -- tree steps ---------------------------------------------------------------------------------------
+
+
+def _tree_steps(backend: str, logits: torch.Tensor, budget: int, topk: int, roots: torch.Tensor,
+                starts: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """build + compile + walk, as a round runs them."""
+    from ddtree.kernels import tree_ops
+
+    trees = tree_ops.build_trees(logits, budget, topk, backend=backend)  # type: ignore[arg-type]
+    compiled = tree_ops.compile_trees(trees, roots, starts, backend=backend)  # type: ignore[arg-type]
+    return tree_ops.follow_trees(trees, compiled, targets, backend=backend)  # type: ignore[arg-type]
+
+
+def bench_tree(args: argparse.Namespace, graphs: bool) -> list[dict[str, Any]]:
+    """The round's tree steps on random drafter logits: torch code vs fused kernels, and the vocabulary pass."""
+    from ddtree import tree
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + 2)
+    for bs in args.batches:
+        logits = torch.randn(bs, args.tree_depth, args.tree_vocab, generator=gen, device="cuda") * 3.0
+        roots = torch.zeros(bs, dtype=torch.long, device="cuda")
+        starts = torch.full((bs,), 1024, dtype=torch.long, device="cuda")
+        for budget in args.tree_budgets:
+            ref = tree.build_trees(logits, budget, args.tree_topk)
+            compiled = tree.compile_trees(ref, roots, starts)
+            targets = compiled.input_ids.roll(-1, dims=1)  # some walks go deep, most stop early
+
+            steps = partial(_tree_steps, logits=logits, budget=budget, topk=args.tree_topk, roots=roots,
+                            starts=starts, targets=targets)
+            matches = all(torch.equal(a, b) for a, b in zip(steps("torch"), steps("triton"), strict=True))
+            paths = (("torch", partial(steps, "torch")), ("fused", partial(steps, "triton")),
+                     ("vocab_only", partial(tree.top_log_probs_fast, logits, args.tree_topk)))
+            for name, fn in paths:
+                row = {"op": "tree_steps", "bs": bs, "budget": budget, "topk": args.tree_topk, "L": args.tree_depth,
+                       "vocab": args.tree_vocab, "path": name, "matches_torch": matches if name == "fused" else None}
+                try:
+                    row.update(_timings(fn, args.rep_ms, graphs))
+                except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
+                    row["error"] = f"{type(err).__name__}: {err}"
+                    traceback.print_exc()
+                rows.append(row)
+                _print_row(row)
     return rows
 
 
@@ -211,6 +284,9 @@ def _print_row(row: dict[str, Any]) -> None:
     if row["op"] == "tree_attention":
         case = f"bs{row['bs']} prefix{row['prefix']} n{row['n']} s{row['splits']}"
         check = _fmt(row.get("max_abs_err_vs_sdpa"), ".1e")
+    elif row["op"] == "tree_steps":
+        case = f"bs{row['bs']} B{row['budget']} K{row['topk']} L{row['L']} V{row['vocab']}"
+        check = {True: "exact", False: "MISMATCH", None: ""}[row.get("matches_torch")]
     else:
         case = f"bs{row['bs']} prefix{row['prefix']} {row['kind']} m{row['accepted']}"
         check = {True: "exact", False: "MISMATCH", None: ""}[row.get("matches_torch")]
@@ -248,13 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     _print_header()
     results: dict[str, Any] = {"schema": SCHEMA, "env": env, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                  for k, v in vars(args).items()}}
-    results["attention"] = bench_attention(args, dtype, graphs)
-    _write_json(args.out, results)
-    if not args.skip_compact:
-        results["compact"] = bench_compact(args, dtype, graphs)
-    _write_json(args.out, results)
+    for variant in args.tile_variants:
+        _tile_variant(variant)  # bad input fails before anything runs
+    sections = (("attention", not args.skip_attention, lambda: bench_attention(args, dtype, graphs)),
+                ("tree", not args.skip_tree, lambda: bench_tree(args, graphs)),
+                ("compact", not args.skip_compact, lambda: bench_compact(args, dtype, graphs)))
+    for name, wanted, run in sections:
+        if wanted:
+            results[name] = run()
+            _write_json(args.out, results)  # each section lands on disk as soon as it is done
     print(f"wrote {args.out}", flush=True)
-    failed = [r for r in results["attention"] + results.get("compact", []) if "error" in r
+    failed = [r for name, _, _ in sections for r in results.get(name, []) if "error" in r
               or r.get("matches_torch") is False]
     return 1 if failed else 0
 

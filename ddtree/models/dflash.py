@@ -15,31 +15,22 @@ from torch import nn
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.models.configs import DrafterConfig, TargetConfig
-from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
 from ddtree.models.target import ATTENTION_CHOICES, AttentionPath, Target, init_weights_
 
 
 class DraftAttention(GQAProjections):
-    """Qwen3-style attention with q/k norms always on (z-lab's drafters have them)."""
+    """Qwen3-style attention with q/k norms always on (z-lab's drafters have them).
+
+    `qkv` serves the block (q, k, v from the same input); `key_value` the fused target context, which
+    needs no query. After `fuse_projections` both are one GEMM (key_value uses the k/v rows of it).
+    """
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.rms_norm_eps, cfg.attention_bias, qk_norm=True)
         self.q_norm: RMSNorm
         self.k_norm: RMSNorm
-
-    def query(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # h[bs, n, D] -> q[bs, H, n, d]
-        bs, n, _ = h.shape
-        q = self.q_norm(self.q_proj(h).view(bs, n, self.n_heads, self.head_dim)).transpose(1, 2)
-        return apply_rope(q, cos, sin)
-
-    def key_value(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # h[bs, n, D] -> k, v [bs, KV, n, d]; used for both the fused context and the block
-        bs, n, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(bs, n, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).view(bs, n, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
 
 
 class DraftLayer(nn.Module):
@@ -113,6 +104,15 @@ class DFlashDrafter(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    def fuse_projections(self) -> None:
+        """Inference: one GEMM for each layer's q/k/v and one for gate/up (see layers.FusedLinear).
+
+        Parameters, their names and training are unchanged; call again after replacing weights.
+        """
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     @property
     def tap_layers(self) -> list[int]:
@@ -200,9 +200,7 @@ class DFlashDrafter(nn.Module):
         x = self.target.embed(block_ids).to(self.dtype)  # [bs, block, D]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.query(h, cos, sin)
-            kb, vb = attn.key_value(h, cos, sin)
+            q, kb, vb = attn.qkv(layer.input_layernorm(x), cos, sin)
             if bitmask is None:
                 k = torch.cat([ctx.k[i, :, :, :n_ctx], kb], dim=2)
                 v = torch.cat([ctx.v[i, :, :, :n_ctx], vb], dim=2)
@@ -257,9 +255,7 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             attn = layer.self_attn
             kc, vc = attn.key_value(fused, ctx_cos, ctx_sin)
-            h = layer.input_layernorm(x)
-            q = attn.query(h, cos, sin)
-            kb, vb = attn.key_value(h, cos, sin)
+            q, kb, vb = attn.qkv(layer.input_layernorm(x), cos, sin)
             o = attend(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

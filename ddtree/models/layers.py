@@ -1,14 +1,20 @@
-"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP, masked attention.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE tables, SwiGLU MLP, masked attention.
 
 Numerics follow the Hugging Face Qwen3/Llama modules (norm in float32 then cast back, RoPE
 tables in float32 then cast), so a loaded checkpoint gives the same logits as transformers.
+The q/k norm and the rotation itself live in ddtree.kernels.norm_rope (a torch reference off CUDA).
+Projections that read the same input can be fused into one GEMM for inference (`FusedLinear`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ddtree.kernels.norm_rope import norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -48,14 +54,52 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class FusedLinear:
+    """Linears that read the same input, run as one GEMM (inference only).
 
+    The weights (and the biases: all or none of the Linears must have one) are concatenated once and
+    each Linear's parameter is re-pointed at its rows of that tensor, so memory is not doubled,
+    state_dict() keeps its names and in-place updates (load_state_dict, an optimizer step) reach both.
+    If a parameter has been replaced since (load_state_dict(assign=True), .to(dtype)), or gradients
+    must flow to the weights, `live` is False and callers run the separate Linears.
+    """
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x[bs, heads, q, d]; cos/sin [bs, 1, q, d]
-    return x * cos + rotate_half(x) * sin
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        biases: list[torch.Tensor] = [lin.bias for lin in linears if lin.bias is not None]
+        if biases and len(biases) != len(linears):
+            raise ValueError("FusedLinear: either every Linear has a bias or none has")
+        self.linears = tuple(linears)
+        self.sizes = [lin.out_features for lin in linears]
+        with torch.no_grad():
+            self.weight = torch.cat(tuple(lin.weight for lin in linears))  # [sum(out), in]
+            self.bias = torch.cat(biases) if biases else None
+        for lin, w in zip(linears, self.weight.split(self.sizes)):
+            lin.weight.data = w
+        if self.bias is not None:
+            for lin, b in zip(linears, self.bias.split(self.sizes)):
+                lin.bias.data = b
+        self._ptrs = self._param_ptrs()
+
+    def _param_ptrs(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for lin in self.linears for p in (lin.weight, lin.bias) if p is not None)
+
+    @property
+    def intact(self) -> bool:
+        """Every Linear still reads its rows of the fused tensor."""
+        return self._param_ptrs() == self._ptrs
+
+    @property
+    def live(self) -> bool:
+        if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
+            return False  # the fused tensor is outside autograd: training runs the separate Linears
+        return self.intact
+
+    def __call__(self, x: torch.Tensor, skip: int = 0) -> list[torch.Tensor]:
+        """x[..., in] -> one output per Linear from the `skip`-th on (their rows are contiguous, so the
+        tail is one GEMM too), as column slices of one [..., sum(out)] result."""
+        start = sum(self.sizes[:skip])
+        bias = None if self.bias is None else self.bias[start:]
+        return list(F.linear(x, self.weight[start:], bias).split(self.sizes[skip:], dim=-1))
 
 
 class SwiGLU(nn.Module):
@@ -64,9 +108,19 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for gate and up from now on (see FusedLinear); a no-op while already fused."""
+        if self.gate_up is None or not self.gate_up.intact:
+            self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and self.gate_up.live:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GQAProjections(nn.Module):
@@ -83,6 +137,46 @@ class GQAProjections(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.eps = eps
+        self.qkv_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v from now on (and for k, v alone: their rows are the fused tail); a no-op
+        while already fused."""
+        if self.qkv_proj is None or not self.qkv_proj.intact:
+            self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+
+    def _fused(self) -> FusedLinear | None:
+        return self.qkv_proj if self.qkv_proj is not None and self.qkv_proj.live else None
+
+    def rope_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # q[bs, n, H*d] -> [bs, H, n, d], normed (if qk_norm) and rotated
+        bs, n, _ = q.shape
+        weight = None if self.q_norm is None else self.q_norm.weight
+        return norm_rope(q.view(bs, n, self.n_heads, self.head_dim), weight, self.eps, cos, sin)
+
+    def rope_kv(
+        self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # k/v[bs, n, KV*d] -> [bs, KV, n, d]; k normed (if qk_norm) and rotated
+        bs, n, _ = k.shape
+        weight = None if self.k_norm is None else self.k_norm.weight
+        k = norm_rope(k.view(bs, n, self.n_kv, self.head_dim), weight, self.eps, cos, sin)
+        return k, v.view(bs, n, self.n_kv, self.head_dim).transpose(1, 2)
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x[bs, q, D] -> q[bs, H, q, d], k/v[bs, KV, q, d], rotated
+        fused = self._fused()
+        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return (self.rope_q(q, cos, sin), *self.rope_kv(k, v, cos, sin))
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x[bs, n, D] -> k, v [bs, KV, n, d]
+        fused = self._fused()
+        k, v = fused(x, skip=1) if fused is not None else (self.k_proj(x), self.v_proj(x))
+        return self.rope_kv(k, v, cos, sin)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         # o[bs, H, q, d] -> [bs, q, D]

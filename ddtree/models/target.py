@@ -21,26 +21,15 @@ from ddtree.kernels.bitmask import causal_bitmask, pack_mask
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, tree_attention
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, apply_rope, attend
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
 
 
 class Attention(GQAProjections):
+    """`qkv` (inherited) projects, q/k-norms (Qwen3) and rotates through ddtree.kernels.norm_rope."""
+
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.rms_norm_eps, cfg.attention_bias, qk_norm=cfg.qk_norm)
-
-    def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # x[bs, q, D] -> q[bs, H, q, d], k/v[bs, KV, q, d], rotated
-        bs, n, _ = x.shape
-        q = self.q_proj(x).view(bs, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(bs, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(bs, n, self.n_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class DecoderLayer(nn.Module):
@@ -116,6 +105,15 @@ class Target(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    def fuse_projections(self) -> None:
+        """Inference: one GEMM for each layer's q/k/v and one for gate/up (see layers.FusedLinear).
+
+        Parameters, their HF names and training are unchanged; call again after replacing weights.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

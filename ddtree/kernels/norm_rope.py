@@ -1,0 +1,167 @@
+"""Per-head q/k RMSNorm (optional) and rotate-half RoPE in one pass, straight from a projection's output.
+
+x is the projection output viewed as [bs, n, heads, d] (any strides, e.g. a column slice of a fused qkv
+GEMM); the result is a contiguous [bs, heads, n, d], the layout attention reads. cos/sin are what
+`Rotary.forward` returns, [bs, 1, n, d] in x's dtype. A Triton kernel (one program per (request, token,
+block of heads): the norm's scale is per head, and the rotated partner d +- d/2 is loaded a second time
+rather than shuffled in registers) and a torch reference that is exactly the models' old op sequence
+(ddtree.models.layers: `RMSNorm.forward`, `.transpose(1, 2)`, `apply_rope`), so CPU numerics do not move.
+The ops are spelled out here rather than imported: the models import this module, not the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+Backend = Literal["auto", "triton", "reference"]
+
+MAX_HEAD_DIM = 256
+_TILE = 4096  # elements per program: heads x padded head_dim
+
+
+def _check_inputs(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[int, int, int, int]:
+    if x.dim() != 4:
+        raise ValueError(f"norm_rope: x must be [bs, n, heads, d], got {tuple(x.shape)}")
+    bs, n, heads, d = x.shape
+    if d % 2 or not 0 < d <= MAX_HEAD_DIM:
+        raise ValueError(f"norm_rope: x's head_dim must be even and in [2, {MAX_HEAD_DIM}], got {d}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"norm_rope: x must be floating point, got {x.dtype}")
+    if weight is not None and (tuple(weight.shape) != (d,) or weight.dtype != x.dtype):
+        raise ValueError(f"norm_rope: weight must be [d={d}] {x.dtype} or None, got {tuple(weight.shape)} {weight.dtype}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (bs, 1, n, d) or t.dtype != x.dtype:
+            raise ValueError(f"norm_rope: {name} must be [bs={bs}, 1, n={n}, d={d}] {x.dtype}, "
+                             f"got {tuple(t.shape)} {t.dtype}")
+    others = {"weight": weight, "cos": cos, "sin": sin}
+    for name, other in others.items():
+        if other is not None and other.device != x.device:
+            raise ValueError(f"norm_rope: {name} is on {other.device}, x on {x.device}")
+    return bs, n, heads, d
+
+
+def norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """The torch ops the models ran before the kernel, in the same order (RMSNorm.forward, transpose,
+    apply_rope); the result is [bs, heads, n, d] with whatever strides those ops give."""
+    _check_inputs(x, weight, cos, sin)
+    if weight is not None:
+        dtype = x.dtype
+        x = weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(dtype)
+    x = x.transpose(1, 2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope_kernel(
+        X, W, COS, SIN, OUT, n, heads, eps,
+        sx_b, sx_n, sx_h, sx_d,
+        sc_b, sc_n, sc_d,
+        ss_b, ss_n, ss_d,
+        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # (request, token)
+        b = (row // n).to(tl.int64)
+        i = (row % n).to(tl.int64)
+        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        half: tl.constexpr = HEAD_DIM // 2
+        first = dims < half
+        partner = tl.where(first, dims + half, dims - half)
+        dim_ok = dims < HEAD_DIM
+        mask = (hs < heads)[:, None] & dim_ok[None, :]
+        base = X + b * sx_b + i * sx_n + hs[:, None].to(tl.int64) * sx_h
+        x = tl.load(base + dims[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner[None, :] * sx_d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            # RMSNorm's order: normalise in float32, round to x's dtype, then scale (and round again)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)  # [BLOCK_H]
+            w = tl.load(W + dims, mask=dim_ok, other=0.0).to(tl.float32)
+            wp = tl.load(W + partner, mask=dim_ok, other=0.0).to(tl.float32)
+            dt = X.dtype.element_ty
+            x = (w[None, :] * (x * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (wp[None, :] * (xp * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        c = tl.load(COS + b * sc_b + i * sc_n + dims * sc_d, mask=dim_ok, other=0.0).to(tl.float32)
+        s = tl.load(SIN + b * ss_b + i * ss_n + dims * ss_d, mask=dim_ok, other=0.0).to(tl.float32)
+        rot = tl.where(first[None, :], -xp, xp)  # rotate_half: (-x2, x1)
+        y = x * c[None, :] + rot * s[None, :]
+        # contiguous [bs, heads, n, d]
+        o = OUT + ((b * heads + hs[:, None].to(tl.int64)) * n + i) * HEAD_DIM + dims[None, :]
+        tl.store(o, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def norm_rope_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton path of `norm_rope` (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("norm_rope_triton: triton is not installed (pip install 'triton>=3.0')")
+    bs, n, heads, d = _check_inputs(x, weight, cos, sin)
+    if _needs_grad(x, weight, cos, sin):
+        raise ValueError("norm_rope_triton: the kernel has no backward; x or weight requires grad "
+                         "(use backend 'auto' or 'reference' for training)")
+    if out is None:
+        out = torch.empty(bs, heads, n, d, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (bs, heads, n, d) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"norm_rope: out must be a contiguous {(bs, heads, n, d)} {x.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if out.numel() == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
+    grid = (bs * n, triton.cdiv(heads, block_h))
+    _norm_rope_kernel[grid](
+        x, weight if weight is not None else x, cos, sin, out, n, heads, eps,
+        *x.stride(), cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
+        num_warps=4 if block_h * block_d <= 2048 else 8,
+    )
+    return out
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """x[bs, n, heads, d] -> RoPE(RMSNorm(x) if weight is not None else x) as [bs, heads, n, d].
+
+    weight[d] in x's dtype (a q_norm / k_norm weight) or None (no norm); cos/sin [bs, 1, n, d] in x's
+    dtype. backend "auto" runs the Triton kernel on CUDA when Triton is installed and no gradient has to
+    flow through (the kernel has no backward: forward_train keeps the torch ops), else the reference
+    (the CPU therefore keeps the models' old numerics bit for bit).
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"norm_rope: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None
+                               and not _needs_grad(x, weight, cos, sin)):
+        return norm_rope_triton(x, weight, eps, cos, sin)
+    return norm_rope_reference(x, weight, eps, cos, sin)
