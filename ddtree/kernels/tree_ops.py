@@ -1,10 +1,12 @@
-"""Tree build, compile and walk for a batch, one Triton kernel each, with ddtree.tree's torch code as reference.
+"""Tree build, compile and walk for a batch, in Triton kernels, with ddtree.tree's torch code as reference.
 
 The torch versions in ddtree.tree loop over depth with a handful of small ops per step (~76 kernels for
 the selection at L = 7, ~35 for the compile, 28 for the walk); on a GPU each is a launch of a few
 microseconds, which is more than the arithmetic. Here one program per row does the whole step in
 registers:
 
+* vocabulary pass: per drafted position, the log-softmax statistics and the top K token ids in one
+  pass over the vocabulary (the torch version is ~10 kernels).
 * select: per depth, the best B of the B x K extensions, then the best B over all depths. Candidates
   are ranked by sorting packed int64 keys (order-preserving float32 bits of the score in the high word,
   the reversed candidate index in the low word), so a descending sort is a stable descending sort by
@@ -14,9 +16,10 @@ registers:
 * walk: the nodes whose every ancestor-or-self agrees with the target's token at its parent (the
   packed words against the packed agreement bits), their depths as columns, the deepest one's token.
 
-Results equal the torch versions bit for bit (scores are the same float32 additions in the same order);
-only exact score ties may pick or order different, equally good, nodes, as between the heap and the
-torch selection. Trees of more than MAX_FUSED_NODES nodes (budget >= 128) use the torch code.
+Given the same log-probs, select, compile and walk equal the torch versions bit for bit (the same float32
+additions in the same order); only exact score ties may pick or order different, equally good, nodes, as
+between the heap and the torch selection. The vocabulary pass gives the same ids and log-probs equal to
+float32 rounding (its log-sum-exp adds in another order). Trees of more than MAX_FUSED_NODES nodes (budget >= 128) use the torch code.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 MAX_FUSED_NODES = 128  # root + budget; the compile holds an n x n mask tile in registers
 _MAX_SORT = 4096  # keys one program sorts (B x K candidates per depth, L x B slots overall)
+_MAX_TOPK = 64  # the vocabulary pass keeps its best K in registers
 
 
 def _mono_key(x: float) -> int:
@@ -56,7 +60,7 @@ def fused_fits(budget: int, topk: int, depth: int) -> bool:
     if triton is None:
         return False
     bp, kp, lp = (triton.next_power_of_2(v) for v in (budget, topk, depth))
-    return budget + 1 <= MAX_FUSED_NODES and bp * kp <= _MAX_SORT and lp * bp <= _MAX_SORT
+    return budget + 1 <= MAX_FUSED_NODES and topk <= _MAX_TOPK and bp * kp <= _MAX_SORT and lp * bp <= _MAX_SORT
 
 
 if triton is not None:
@@ -75,6 +79,42 @@ if triton is not None:
     @triton.jit
     def _bit_or(a, b):
         return a | b
+
+    @triton.jit
+    def _top_kernel(X, VAL, IDS, V, s_r, floor, K: tl.constexpr, KPAD: tl.constexpr, BLOCK_V: tl.constexpr):
+        # one program per (row, depth): log-softmax statistics and the top K in one pass over V
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_V)
+        kk = tl.arange(0, KPAD)
+        none = -9223372036854775807 - 1  # int64 min: an empty slot, below every real key
+        # best K as keys (score key << 32 | reversed id): empty slots lose to any token, pad slots never do
+        best = tl.where(kk < K, none, 9223372036854775807).to(tl.int64)
+        m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            x = tl.load(X + r * s_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf anywhere
+            total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            m = m_new
+            x = tl.where(x == 0.0, 0.0, x)  # -0.0 and 0.0 share a key
+            keys = tl.where(cols < V, (_to_key(x).to(tl.int64) << 32) | (2147483647 - cols), none)
+            for _ in range(K):  # this chunk's best K, each replacing the current worst if better
+                top = tl.max(keys, axis=0)
+                keys = tl.where(keys == top, none, keys)
+                worst = tl.min(best, axis=0)
+                slot = tl.argmin(best, axis=0)
+                best = tl.where((kk == slot) & (top > worst), top, best)
+        best = tl.sort(tl.where(kk < K, best, none), descending=True)
+        value = _from_key((best >> 32).to(tl.int32))
+        token = 2147483647 - (best & 0xFFFFFFFF)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        finite = value > float("-inf")
+        lp = tl.where(finite, value, 0.0) - m_safe - tl.log(tl.where(total > 0.0, total, 1.0))
+        lp = tl.minimum(tl.where(finite, tl.maximum(lp, floor), floor), 0.0)
+        tl.store(VAL + r * K + kk, lp, mask=kk < K)
+        tl.store(IDS + r * K + kk, token, mask=kk < K)
 
     @triton.jit
     def _select_kernel(
@@ -220,6 +260,31 @@ def _need_triton(what: str) -> None:
         raise RuntimeError(f"{what}: triton is not installed (pip install 'triton>=3.0')")
 
 
+def top_log_probs_triton(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ddtree.tree.top_log_probs in one kernel: logits[..., L, V] -> (log_probs, ids) [..., L, K], best first.
+
+    The ids equal the reference's (ties aside); the values agree to float32 rounding (the log-sum-exp is
+    summed in another order).
+    """
+    _need_triton("top_log_probs_triton")
+    v = logits.shape[-1]
+    k = min(topk, v)
+    if k > _MAX_TOPK:
+        raise ValueError(f"topk: {topk} is too large for the fused kernels (allowed <= {_MAX_TOPK})")
+    rows = logits.reshape(-1, v)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    values = torch.empty(rows.shape[0], k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(rows.shape[0], k, dtype=torch.long, device=logits.device)
+    if rows.shape[0]:
+        _top_kernel[(rows.shape[0],)](
+            rows, values, ids, v, rows.stride(0), tree_torch._LOG_PROB_FLOOR,
+            K=k, KPAD=triton.next_power_of_2(k), BLOCK_V=min(4096, triton.next_power_of_2(v)), num_warps=4,
+        )
+    out = (*logits.shape[:-1], k)
+    return values.reshape(out), ids.reshape(out)
+
+
 def select_trees_triton(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTrees:
     """The Triton path of the selection (ddtree.tree._batched_trees): log_probs/ids[bs, L, K] -> DraftTrees."""
     _need_triton("select_trees_triton")
@@ -326,9 +391,10 @@ def build_trees(logits: torch.Tensor, budget: int, topk: int, backend: Backend =
     """ddtree.tree.build_trees with the selection in one kernel where it applies (CUDA, or forced)."""
     tree_torch._check_budget_topk(budget, topk)
     tree_torch._check_logits(logits, 3, "[bs, L, V]")
+    k, depth = min(topk, logits.shape[-1]), logits.shape[1]
+    if _use_triton(backend, logits.device, fused_fits(budget, k, depth)):
+        return select_trees_triton(*top_log_probs_triton(logits, topk), budget)
     log_probs, ids = tree_torch.top_log_probs_fast(logits, topk)  # [bs, L, K]
-    if _use_triton(backend, logits.device, fused_fits(budget, ids.shape[-1], ids.shape[1])):
-        return select_trees_triton(log_probs, ids, budget)
     return tree_torch._batched_trees(log_probs, ids, budget)
 
 

@@ -1,6 +1,7 @@
-"""The fused tree kernels (select, compile, walk) against ddtree.tree's torch code, which is their reference.
+"""The fused tree kernels (vocabulary pass, select, compile, walk) against ddtree.tree's torch code, their reference.
 
-Without exact score ties every output is equal bit for bit (same float32 additions, same order); with
+Without exact score ties select, compile and walk are equal bit for bit (same float32 additions, same
+order) and the vocabulary pass gives the same ids with log-probs equal to float32 rounding; with
 ties (quantised logits) the kernels must still give valid trees of the same best scores. On machines
 without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1 set at import, before triton
 is) on small shapes; the GPU cases cover batch 1..32, budgets up to 127 (two-word masks), topk up to 8
@@ -112,11 +113,23 @@ def check_case(case: Case) -> None:
     roots = torch.randint(0, case.vocab, (bs,), generator=gen).to(DEVICE)
     starts = torch.randint(0, 4000, (bs,), generator=gen).to(DEVICE)
 
-    expected = tree.build_trees(logits, case.budget, case.topk)
+    # the vocabulary pass: same ids, log-probs to float32 rounding
+    ref_lp, ref_ids = tree.top_log_probs_fast(logits, case.topk)
+    poison_allocator()
+    lp, ids = tree_ops.top_log_probs_triton(logits, case.topk)
+    assert_same(ids, ref_ids, f"vocabulary pass ids, {case.id}")
+    torch.testing.assert_close(lp, ref_lp, atol=2e-6, rtol=1e-6, msg=lambda m: f"vocabulary pass values, {case.id}: {m}")
+    # the selection from the same log-probs: bit for bit
+    selected = tree_ops.select_trees_triton(ref_lp, ref_ids, case.budget)
+    expected = tree._batched_trees(ref_lp, ref_ids, case.budget)
+    for field in ("tokens", "parents", "depths", "log_probs", "num_nodes"):
+        assert_same(getattr(selected, field), getattr(expected, field), f"select {field}, {case.id}")
+    # end to end: the same trees, scores to rounding
     poison_allocator()
     trees = tree_ops.build_trees(logits, case.budget, case.topk, backend="triton")
-    for field in ("tokens", "parents", "depths", "log_probs", "num_nodes"):
-        assert_same(getattr(trees, field), getattr(expected, field), f"select {field}, {case.id}")
+    for field in ("tokens", "parents", "depths", "num_nodes"):
+        assert_same(getattr(trees, field), getattr(expected, field), f"build {field}, {case.id}")
+    torch.testing.assert_close(trees.log_probs, expected.log_probs, atol=2e-5, rtol=1e-6)
     assert trees.max_depth == expected.max_depth
 
     want = tree.compile_trees(expected, roots, starts)
@@ -147,6 +160,24 @@ def test_triton_matches_torch(case: Case) -> None:
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=gpu_only) for c in GPU_CASES])
 def test_triton_matches_torch_gpu(case: Case) -> None:
     check_case(case)
+
+
+@needs_triton
+def test_vocabulary_pass_handles_minus_inf_and_ties() -> None:
+    """-inf logits get the floor log-prob (never NaN), ids stay distinct; a wide vocabulary spans chunks."""
+    logits = torch.randn(2, 3, 9000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    logits[0, 0] = float("-inf")
+    logits[0, 0, 8999] = 2.0  # one finite token, in the last chunk
+    logits[1, 1, :40] = 10.0  # exact ties at the top
+    lp, ids = tree_ops.top_log_probs_triton(logits, 6)
+    ref_lp, ref_ids = tree.top_log_probs_fast(logits, 6)
+    assert not lp.isnan().any()
+    assert ids[0, 0, 0] == 8999 and lp[0, 0, 0] == 0.0 and bool((lp[0, 0, 1:] == tree._LOG_PROB_FLOOR).all())
+    for row in ids.reshape(-1, 6).tolist():
+        assert len(set(row)) == 6, f"duplicate ids {row}"
+    assert bool((ids[1, 1] < 40).all()), "a tied top must come from the tied tokens"
+    torch.testing.assert_close(lp[1, 1], ref_lp[1, 1])
+    assert_same(ids[1:, 2:], ref_ids[1:, 2:], "ids without ties")
 
 
 def assert_valid_tree(trees: tree.DraftTrees, log_probs: torch.Tensor, ids: torch.Tensor, row: int) -> None:
@@ -212,4 +243,4 @@ def test_select_rejects_trees_too_large_for_the_kernel() -> None:
                     reason="the Triton cases ran in this process (CUDA, or the interpreter was on at import), "
                            "or triton is not installed")
 def test_triton_cases_in_interpreter_child() -> None:
-    run_triton_cases_in_child(__file__, "triton_matches_torch or ties or rejects")
+    run_triton_cases_in_child(__file__, "triton_matches_torch or ties or rejects or vocabulary")
