@@ -94,6 +94,40 @@ def _gbps(nbytes: int, ms: float | None) -> float | None:
     return None if not ms else nbytes / (ms * 1e-3) / 1e9
 
 
+def _timed_row(row: dict[str, Any], fn: Callable[[], object], args: argparse.Namespace, graphs: bool) -> None:
+    """Times into the row, and effective bandwidth where the row says how many bytes the op moves."""
+    row.update(_timings(fn, args.rep_ms, graphs))
+    if "bytes" in row:
+        row["eager_GBps"] = _gbps(row["bytes"], row["eager_ms"])
+        row["graph_GBps"] = _gbps(row["bytes"], row.get("graph_ms"))
+
+
+def _checked_row(row: dict[str, Any], fn: Callable[[], object], check: Callable[[], object], key: str,
+                 args: argparse.Namespace, graphs: bool) -> None:
+    row[key] = check()
+    _timed_row(row, fn, args, graphs)
+
+
+def _max_abs_err(fn: Callable[[], torch.Tensor], expected: torch.Tensor) -> float:
+    return float((fn().float() - expected).abs().max())
+
+
+def _ran_and_equal(fn: Callable[[], object], *pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    fn()
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
+def _record(rows: list[dict[str, Any]], row: dict[str, Any], measure: Callable[[], None]) -> None:
+    """Fill one row with `measure`; a failure is recorded in the row and the run goes on."""
+    try:
+        measure()
+    except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
+        row["error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    rows.append(row)
+    _print_row(row)
+
+
 # -- tree attention -----------------------------------------------------------------------------------
 
 
@@ -150,16 +184,8 @@ def bench_attention(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) 
                 expected = paths["sdpa_dense"]().float()
                 for name, fn in paths.items():
                     row = dict(base, path=name, bytes=nbytes)
-                    try:
-                        row["max_abs_err_vs_sdpa"] = float((fn().float() - expected).abs().max())
-                        row.update(_timings(fn, args.rep_ms, graphs))
-                        row["eager_GBps"] = _gbps(nbytes, row["eager_ms"])
-                        row["graph_GBps"] = _gbps(nbytes, row.get("graph_ms"))
-                    except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
-                        row["error"] = f"{type(err).__name__}: {err}"
-                        traceback.print_exc()
-                    rows.append(row)
-                    _print_row(row)
+                    _record(rows, row, partial(_checked_row, row, fn, partial(_max_abs_err, fn, expected),
+                                               "max_abs_err_vs_sdpa", args, graphs))
                 del x
     return rows
 
@@ -209,13 +235,7 @@ def bench_tree(args: argparse.Namespace, graphs: bool) -> list[dict[str, Any]]:
             for name, fn in paths:
                 row = {"op": "tree_steps", "bs": bs, "budget": budget, "topk": args.tree_topk, "L": args.tree_depth,
                        "vocab": args.tree_vocab, "path": name, "matches_torch": matches if name == "fused" else None}
-                try:
-                    row.update(_timings(fn, args.rep_ms, graphs))
-                except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
-                    row["error"] = f"{type(err).__name__}: {err}"
-                    traceback.print_exc()
-                rows.append(row)
-                _print_row(row)
+                _record(rows, row, partial(_timed_row, row, fn, args, graphs))
     return rows
 
 
@@ -251,18 +271,11 @@ def bench_compact(args: argparse.Namespace, dtype: torch.dtype, graphs: bool) ->
                          ("torch", partial(compact_kv_reference, k_ref, v_ref, lengths, src, counts)))
                 for name, fn in paths:
                     row = dict(base, path=name, bytes=nbytes)
-                    try:
-                        if name == "triton":
-                            fn()
-                            row["matches_torch"] = bool(torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref))
-                        row.update(_timings(fn, args.rep_ms, graphs))
-                        row["eager_GBps"] = _gbps(nbytes, row["eager_ms"])
-                        row["graph_GBps"] = _gbps(nbytes, row.get("graph_ms"))
-                    except Exception as err:  # noqa: BLE001 - one failing row is recorded, the run goes on
-                        row["error"] = f"{type(err).__name__}: {err}"
-                        traceback.print_exc()
-                    rows.append(row)
-                    _print_row(row)
+                    if name == "triton":  # run once, then compare with the torch result
+                        check = partial(_ran_and_equal, fn, (k_tri, k_ref), (v_tri, v_ref))
+                        _record(rows, row, partial(_checked_row, row, fn, check, "matches_torch", args, graphs))
+                    else:
+                        _record(rows, row, partial(_timed_row, row, fn, args, graphs))
                 del k_ref, v_ref, k_tri, v_tri
             del k, v
     return rows
