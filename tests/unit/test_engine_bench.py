@@ -160,5 +160,6 @@ def test_nightly_workflow_parses_and_runs_the_three_commands() -> None:
     assert "pytest tests/unit/test_engine_paths.py" in runs  # the GPU engine paths (graphs, syncs)
     assert ("python -m ddtree.bench --device cuda --out results/nightly/engine_bench.json "
             "--markdown results/nightly/engine_bench.md") in runs
+    assert "python -m ddtree.kernels.bench --out results/nightly/kernel_bench.json" in runs
     upload = next(s for s in steps if str(s.get("uses", "")).startswith("actions/upload-artifact"))
     assert upload["if"] == "always()" and upload["with"]["path"] == "results/nightly"
