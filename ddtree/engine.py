@@ -397,8 +397,8 @@ class DecodeBatch:
             s.committed = cache.lengths.clone()  # [m]
             block_ids = torch.full((m, spec.block_size), mask_id, dtype=torch.long, device=self.device)
             block_ids[:, 0] = self.bonus[:m]
-            # eager: the drafter attends to at most min(longest context, window) stored slots (a host
-            # bound); graphed: to its whole window, masked on the device
+            # kernel attention: each row's stored context slots are read in place (their count on the
+            # device); "sdpa": at most min(longest context, window) slots, a host bound (ctx_len_hint)
             s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=None if graphed else longest,
                                                  attention=self.attention)  # [m, L, V]
 
