@@ -380,11 +380,8 @@ def follow_trees_triton(
 def _use_triton(backend: Backend, device: torch.device, fits: bool) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"tree backend: {backend!r} is not one of {BACKENDS}")
-    if backend == "torch":
-        return False
-    if backend == "triton" and not fits:
-        return False  # too large for the fused kernels: the torch code is always correct
-    return fits and (backend == "triton" or device.type == "cuda")
+    # a tree too large for the fused kernels takes the torch code, even when "triton" is asked for
+    return backend != "torch" and fits and (backend == "triton" or device.type == "cuda")
 
 
 def build_trees(logits: torch.Tensor, budget: int, topk: int, backend: Backend = "auto") -> DraftTrees:
