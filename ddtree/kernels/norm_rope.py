@@ -1,7 +1,10 @@
 """Per-head q/k RMSNorm (optional) and rotate-half RoPE in one pass, straight from a projection's output.
 
 x is the projection output viewed as [bs, n, heads, d] (any strides, e.g. a column slice of a fused qkv
-GEMM); the result is a contiguous [bs, heads, n, d], the layout attention reads. cos/sin are what
+GEMM); the result is a contiguous [bs, heads, n, d], the layout attention reads. `norm_rope_write` does
+the same for keys and writes them, with the values beside them, straight into a cache at given slots
+(a KV cache's next positions, a drafter's ring buffer): one launch instead of a rotation and two
+scattered copies per layer. cos/sin are what
 `Rotary.forward` returns, [bs, 1, n, d] in x's dtype. A Triton kernel (one program per (request, token,
 block of heads): the norm's scale is per head, and the rotated partner d +- d/2 is loaded a second time
 rather than shuffled in registers) and a torch reference that is exactly the models' old op sequence
@@ -70,11 +73,16 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(
-        X, W, COS, SIN, OUT, n, heads, eps,
+        X, W, COS, SIN, OUT, V, VOUT, SLOTS, n, heads, eps, n_slots,
         sx_b, sx_n, sx_h, sx_d,
         sc_b, sc_n, sc_d,
         ss_b, ss_n, ss_d,
+        so_b, so_h, so_s, so_d,
+        sv_b, sv_n, sv_h, sv_d,
+        svo_b, svo_h, svo_s, svo_d,
+        sl_b, sl_n,
         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr,
     ):
         row = tl.program_id(0)  # (request, token)
         b = (row // n).to(tl.int64)
@@ -101,9 +109,38 @@ if triton is not None:
         s = tl.load(SIN + b * ss_b + i * ss_n + dims * ss_d, mask=dim_ok, other=0.0).to(tl.float32)
         rot = tl.where(first[None, :], -xp, xp)  # rotate_half: (-x2, x1)
         y = x * c[None, :] + rot * s[None, :]
-        # contiguous [bs, heads, n, d]
-        o = OUT + ((b * heads + hs[:, None].to(tl.int64)) * n + i) * HEAD_DIM + dims[None, :]
+        if HAS_SLOTS:  # a cache: token i of row b goes to slot SLOTS[b, i]; slots outside [0, n_slots) drop
+            # loaded once per head row (the same address): keeps every mask a block, as the interpreter wants
+            slot = tl.load(SLOTS + b * sl_b + i * sl_n + 0 * hs).to(tl.int64)[:, None]  # [BLOCK_H, 1]
+            mask = mask & (slot >= 0) & (slot < n_slots)
+        else:
+            slot = i
+        heads_off = hs[:, None].to(tl.int64)
+        o = OUT + b * so_b + heads_off * so_h + slot * so_s + dims[None, :] * so_d
         tl.store(o, y.to(OUT.dtype.element_ty), mask=mask)
+        if HAS_V:  # the values of the same token and heads, copied beside the keys
+            val = tl.load(V + b * sv_b + i * sv_n + heads_off * sv_h + dims[None, :] * sv_d, mask=mask)
+            tl.store(VOUT + b * svo_b + heads_off * svo_h + slot * svo_s + dims[None, :] * svo_d, val, mask=mask)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+            out: torch.Tensor, v: torch.Tensor | None, v_out: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    """One kernel launch; out (and v_out) are [bs, heads, S, d] with any strides."""
+    bs, n, heads, d = x.shape
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
+    grid = (bs * n, triton.cdiv(heads, block_h))
+    vv, vo = (v, v_out) if v is not None and v_out is not None else (x, out)
+    sl = slots if slots is not None else x
+    sl_strides = slots.stride() if slots is not None else (0, 0)
+    _norm_rope_kernel[grid](
+        x, weight if weight is not None else x, cos, sin, out, vv, vo, sl, n, heads, eps, out.shape[2],
+        *x.stride(), cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+        *out.stride(), *vv.stride(), *vo.stride(), *sl_strides,
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
+        HAS_SLOTS=slots is not None, HAS_V=v is not None,
+        num_warps=4 if block_h * block_d <= 2048 else 8,
+    )
 
 
 def norm_rope_triton(
@@ -128,15 +165,7 @@ def norm_rope_triton(
                          f"got {tuple(out.shape)} {out.dtype}")
     if out.numel() == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(d))
-    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
-    grid = (bs * n, triton.cdiv(heads, block_h))
-    _norm_rope_kernel[grid](
-        x, weight if weight is not None else x, cos, sin, out, n, heads, eps,
-        *x.stride(), cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
-        num_warps=4 if block_h * block_d <= 2048 else 8,
-    )
+    _launch(x, weight, eps, cos, sin, out, None, None, None)
     return out
 
 
@@ -165,3 +194,61 @@ def norm_rope(
                                and not _needs_grad(x, weight, cos, sin)):
         return norm_rope_triton(x, weight, eps, cos, sin)
     return norm_rope_reference(x, weight, eps, cos, sin)
+
+
+def _check_write(k: torch.Tensor, v: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    bs, n, heads, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"norm_rope_write: v must match k {tuple(k.shape)} {k.dtype} on {k.device}, "
+                         f"got {tuple(v.shape)} {v.dtype} on {v.device}")
+    for name, t in (("k_out", k_out), ("v_out", v_out)):
+        if (t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (bs, heads, d) or t.dtype != k.dtype
+                or t.device != k.device):
+            raise ValueError(f"norm_rope_write: {name} must be [bs={bs}, heads={heads}, S, d={d}] {k.dtype} on "
+                             f"{k.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if v_out.shape != k_out.shape:
+        raise ValueError(f"norm_rope_write: v_out {tuple(v_out.shape)} must match k_out {tuple(k_out.shape)}")
+    if tuple(slots.shape) != (bs, n) or slots.dtype.is_floating_point or slots.device != k.device:
+        raise ValueError(f"norm_rope_write: slots must be [bs={bs}, n={n}] integer on {k.device}, "
+                         f"got {tuple(slots.shape)} {slots.dtype} on {slots.device}")
+
+
+def norm_rope_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    slots: torch.Tensor,
+    backend: Backend = "auto",
+) -> None:
+    """Keys and values straight into a cache: k_out[b, :, slots[b, i]] = norm_rope(k)[b, :, i] and
+    v_out[b, :, slots[b, i]] = v[b, i] (as [heads, d]).
+
+    k/v[bs, n, heads, d] (any strides, e.g. column slices of one projection GEMM); k_out/v_out
+    [bs, heads, S, d] (a cache layer's rows, any strides); slots[bs, n] integer. Slots must lie in [0, S):
+    checking that would cost a host sync, so the kernel drops a write outside it and the reference raises.
+    backend as in `norm_rope`; the reference is the rotation then two index_put copies (the ops a cache
+    write ran before this kernel, so CPU numerics do not move).
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"norm_rope_write: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    _check_inputs(k, weight, cos, sin)
+    _check_write(k, v, k_out, v_out, slots)
+    if backend == "triton" or (backend == "auto" and k.is_cuda and triton is not None
+                               and not _needs_grad(k, v, weight, cos, sin)):
+        if triton is None:
+            raise RuntimeError("norm_rope_write: triton is not installed (pip install 'triton>=3.0')")
+        if _needs_grad(k, v, weight, cos, sin):
+            raise ValueError("norm_rope_write: the kernel has no backward; an input requires grad")
+        if k.numel():
+            _launch(k, weight, eps, cos, sin, k_out, v, v_out, slots)
+        return
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [bs, 1]
+    # advanced indices on dims (bs, S) around a slice -> values laid out [bs, n, heads, d]
+    k_out[rows, :, slots] = norm_rope_reference(k, weight, eps, cos, sin).transpose(1, 2)
+    v_out[rows, :, slots] = v

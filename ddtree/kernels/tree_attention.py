@@ -420,6 +420,7 @@ def tree_attention(
     tree_bitmask: torch.Tensor,
     scale: float,
     backend: Backend = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of n tree queries over a cached prefix and the tree itself.
 
@@ -428,7 +429,8 @@ def tree_attention(
     the cache at slots cache_lens[b] + j (then cache_lens[b] + n <= max_len is the caller's promise:
     it cannot be checked without a host sync); tree_bitmask[bs, n] int64 (n <= 64) or [bs, n, ceil(n/64)]
     with bit j of row i set iff node j is an ancestor-or-self of node i (every row must see itself);
-    scale multiplies q.k. Returns [bs, Hq, n, d] in q's dtype.
+    scale multiplies q.k. Returns [bs, Hq, n, d] in q's dtype: `out` when given (any strides, e.g. a
+    transposed [bs, n, Hq, d] buffer, so the output projection reads it without a copy).
 
     backend "auto" runs the Triton kernel on CUDA tensors when Triton is installed, else the reference;
     "triton" / "reference" force one (forcing Triton on CPU needs TRITON_INTERPRET=1 set before import).
@@ -437,5 +439,6 @@ def tree_attention(
         raise ValueError(f"tree_attention: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton is not None)
     if use_triton:
-        return tree_attention_triton(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask, scale)
-    return tree_attention_reference(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask, scale)
+        return tree_attention_triton(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask, scale, out=out)
+    result = tree_attention_reference(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask, scale)
+    return result if out is None else out.copy_(result)

@@ -1,4 +1,5 @@
-"""q/k RMSNorm + RoPE: the torch reference against the models' op sequence, the Triton kernel against the reference.
+"""q/k RMSNorm + RoPE: the torch reference against the models' op sequence, the Triton kernel against the reference;
+`norm_rope_write` (keys rotated and values copied straight into cache slots) against the same ops + index_put.
 
 The reference must equal RMSNorm -> transpose -> rotate-half RoPE bit for bit (the CPU numerics of the
 models ride on it). The kernel computes in float32 and rounds once at the end, where the reference rounds
@@ -18,7 +19,7 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.kernels.norm_rope import norm_rope, norm_rope_reference, norm_rope_triton
+from ddtree.kernels.norm_rope import norm_rope, norm_rope_reference, norm_rope_triton, norm_rope_write
 from ddtree.models.layers import RMSNorm, Rotary
 from tests.kernels.kernel_asserts import (
     assert_close,
@@ -190,6 +191,65 @@ def test_training_keeps_the_differentiable_reference() -> None:
         norm_rope(x, weight, EPS, cos, sin, backend="triton")
     with torch.no_grad():
         assert_close(norm_rope(x, weight, EPS, cos, sin, backend="triton"), out.detach(), what="triton under no_grad")
+
+
+def _cache_write_case(case: Case, slots_of: str) -> tuple:
+    """k, v (strided views of one projection), cache layers poisoned with NaN, and slots[bs, n]."""
+    k, weight, cos, sin = make_inputs(case, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed + 100)
+    v = torch.randn(case.bs, case.n, case.heads * case.d, generator=gen, device=DEVICE).to(case.dtype)
+    v = v.view(case.bs, case.n, case.heads, case.d)
+    size = case.n + 7
+    # the cache's own layout ([layers, bs, heads, S, d] sliced at one layer): strided rows, as the models pass
+    k_out = torch.full((2, case.bs, case.heads, size, case.d), float("nan"), dtype=case.dtype, device=DEVICE)[1]
+    v_out = torch.full_like(k_out, float("nan"))
+    if slots_of == "next":  # a KV cache: each row's next n slots after its length
+        lengths = torch.randint(0, size - case.n + 1, (case.bs,), generator=gen, device=DEVICE)
+        slots = lengths[:, None] + torch.arange(case.n, device=DEVICE)
+    else:  # a ring buffer: any distinct slots per row
+        slots = torch.stack([torch.randperm(size, generator=gen, device=DEVICE)[: case.n] for _ in range(case.bs)])
+    return k, v, weight, cos, sin, k_out, v_out, slots
+
+
+@needs_triton
+@pytest.mark.parametrize("slots_of", ["next", "ring"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CPU_CASES[:6]])
+def test_triton_write_matches_rotation_and_index_put(case: Case, slots_of: str) -> None:
+    """Kernel and reference both land k (rotated) and v at the slots, and touch no other slot (NaN stays)."""
+    k, v, weight, cos, sin, k_out, v_out, slots = _cache_write_case(case, slots_of)
+    k_ref, v_ref = k_out.clone(), v_out.clone()
+    norm_rope_write(k, v, weight, EPS, cos, sin, k_ref, v_ref, slots, backend="reference")
+    rows = torch.arange(case.bs, device=DEVICE)[:, None]
+    assert torch.equal(k_ref[rows, :, slots], norm_rope_reference(k, weight, EPS, cos, sin).transpose(1, 2))
+    assert torch.equal(v_ref[rows, :, slots], v), "the reference's values are not a plain copy"
+    norm_rope_write(k, v, weight, EPS, cos, sin, k_out, v_out, slots, backend="triton")
+    assert torch.equal(k_out.isnan(), k_ref.isnan()), "the kernel wrote other slots than the reference"
+    assert torch.equal(v_out.nan_to_num(), v_ref.nan_to_num()), "values must be copied bit for bit"
+    assert_close(k_out.nan_to_num(), k_ref.nan_to_num(), what=f"written keys, {case.id}", **_tolerance(case.dtype))
+
+
+@needs_triton
+def test_triton_write_drops_slots_outside_the_cache() -> None:
+    """A slot past the end (or negative) is dropped by the kernel: no write lands anywhere else."""
+    case = CPU_CASES[1]
+    k, v, weight, cos, sin, k_out, v_out, slots = _cache_write_case(case, "next")
+    slots = slots.clone()
+    slots[0, 0], slots[1, -1] = k_out.shape[2], -1
+    norm_rope_write(k, v, weight, EPS, cos, sin, k_out, v_out, slots, backend="triton")
+    written = ~k_out.isnan().all(dim=-1).all(dim=1)  # [bs, S]
+    assert int(written.sum()) == case.bs * case.n - 2
+    assert torch.equal(written, ~v_out.isnan().all(dim=-1).all(dim=1))
+
+
+def test_write_rejects_mismatched_shapes() -> None:
+    case = CPU_CASES[0]
+    k, v, weight, cos, sin, k_out, v_out, slots = _cache_write_case(case, "next")
+    with pytest.raises(ValueError, match="k_out must be"):
+        norm_rope_write(k, v, weight, EPS, cos, sin, k_out[:, :1], v_out, slots)
+    with pytest.raises(ValueError, match="slots must be"):
+        norm_rope_write(k, v, weight, EPS, cos, sin, k_out, v_out, slots.float())
+    with pytest.raises(ValueError, match="v must match"):
+        norm_rope_write(k, v[:, :, :1], weight, EPS, cos, sin, k_out, v_out, slots)
 
 
 @pytest.mark.skipif(not interpreter_off_but_installed(),
