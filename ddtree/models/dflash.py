@@ -16,7 +16,7 @@ from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
-from ddtree.models.target import ATTENTION_CHOICES, AttentionPath, Target, init_weights_
+from ddtree.models.target import ATTENTION_CHOICES, AttentionPath, Target, init_weights_, rotary_positions
 
 
 class DraftAttention(GQAProjections):
@@ -91,7 +91,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        # the drafter runs at the target's positions
+        self.rotary = Rotary(config.head_dim, config.rope_theta, rotary_positions(target.config.max_position_embeddings))
+        self._block_bits: dict[tuple[int, int, torch.device], torch.Tensor] = {}  # forward's all-ones bitmasks
         # the target is shared, not owned: keep it out of parameters(), state_dict() and .to()
         object.__setattr__(self, "target", target)
 
@@ -143,19 +145,18 @@ class DFlashDrafter(nn.Module):
         Vectorised, no host sync. If counts[b] exceeds the capacity, only its last `capacity`
         rows are kept (the earlier ones would be overwritten anyway).
         """
-        bs, m, _ = taps.shape
+        m = taps.shape[1]
         device = ctx.k.device
         counts = counts.to(device=device, dtype=torch.long)
         j = torch.arange(m, device=device)[None, :]  # [1, m]
-        live = (j < counts[:, None]) & (j >= counts[:, None] - ctx.capacity)  # [bs, m]
+        live = j < counts[:, None]  # [bs, m]
+        if m > ctx.capacity:  # only the last `capacity` rows survive (a decode round never gets here)
+            live &= j >= counts[:, None] - ctx.capacity
         slots = torch.where(live, (ctx.total[:, None] + j) % ctx.capacity, ctx.capacity)  # [bs, m]
-        rows = torch.arange(bs, device=device)[:, None]
         fused = self.fuse(taps)  # [bs, m, D]
         cos, sin = self.rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(fused, cos, sin)  # [bs, KV, m, d]
-            ctx.k[i][rows, :, slots] = k.transpose(1, 2)
-            ctx.v[i][rows, :, slots] = v.transpose(1, 2)
+            layer.self_attn.key_value_into(fused, cos, sin, ctx.k[i], ctx.v[i], slots)
         ctx.total += counts
 
     # -- drafting ----------------------------------------------------------------------------
@@ -193,8 +194,11 @@ class DFlashDrafter(nn.Module):
                 dim=-1,
             )[:, None]  # [bs, 1, block, S + block]
         else:
-            # every block token sees the whole block: all `block` bits set in each row's word
-            bitmask = torch.full((bs, block), (1 << block) - 1, dtype=torch.long, device=device)
+            # every block token sees the whole block: all `block` bits set in each row's word (a constant)
+            key = (bs, block, device)
+            if key not in self._block_bits:
+                self._block_bits[key] = torch.full((bs, block), (1 << block) - 1, dtype=torch.long, device=device)
+            bitmask = self._block_bits[key]
         positions = start.to(device)[:, None] + torch.arange(block, device=device)[None, :]  # [bs, block]
         cos, sin = self.rotary(positions, self.dtype)
         x = self.target.embed(block_ids).to(self.dtype)  # [bs, block, D]
@@ -207,7 +211,8 @@ class DFlashDrafter(nn.Module):
                 o = attend(q, k, v, mask)
             else:  # slots < stored hold context (ring order does not matter: no causal order)
                 o = tree_attention(q, ctx.k[i], ctx.v[i], stored, kb, vb, bitmask, q.shape[-1] ** -0.5,
-                                   backend="triton" if attention == "triton" else "reference")
+                                   backend="triton" if attention == "triton" else "reference",
+                                   out=attn.out_buffer(q))
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype))

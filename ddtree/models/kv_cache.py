@@ -1,7 +1,7 @@
 """The target's preallocated, compactable KV cache (per-row lengths, no decoding policy).
 
 Buffers are [layers, bs, kv_heads, max_len, head_dim] so shapes stay static. A forward writes its
-q new rows at slots lengths[b] + j without advancing; the caller then either `advance`s (plain
+q new rows at slots lengths[b] + j (`write_slots`) without advancing; the caller then either `advance`s (plain
 decode/prefill: the real count per row) or `compact`s (tree verify: move the accepted nodes to
 the front of the written window). Nothing here syncs with the host.
 
@@ -75,23 +75,10 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
         self.lengths[dst] = self.lengths[src]
 
-    def write_index(self, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows[bs, 1], slots[bs, q]) where a forward's q new tokens go: lengths[b] + j. Computed once
-        per forward and shared by its layers (a few kernels fewer per layer on a GPU)."""
-        rows = torch.arange(self.batch, device=self.device)[:, None]  # [bs, 1]
-        slots = self.lengths[:, None] + torch.arange(n_q, device=self.device)  # [bs, q]
-        return rows, slots
-
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-              index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Store k/v_new[bs, kv, q, d] at slots lengths[b] + j of one layer (lengths unchanged).
-
-        index: write_index(q) of this forward, if the caller already has it.
-        """
-        rows, slots = index if index is not None else self.write_index(k_new.shape[2])
-        # advanced indices on dims (bs, len) around a slice -> values laid out [bs, q, kv, d]
-        self.k[layer][rows, :, slots] = k_new.transpose(1, 2)
-        self.v[layer][rows, :, slots] = v_new.transpose(1, 2)
+    def write_slots(self, n_q: int) -> torch.Tensor:
+        """slots[bs, q] where a forward's q new tokens go: lengths[b] + j (computed once per forward and
+        shared by its layers, which write their K/V there: see GQAProjections.qkv_into)."""
+        return self.lengths[:, None] + torch.arange(n_q, device=self.device)
 
     def view(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first kv_len slots of one layer: k, v [bs, kv, kv_len, d] (views, no copy)."""

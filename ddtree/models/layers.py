@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels.norm_rope import norm_rope
+from ddtree.kernels.norm_rope import norm_rope, norm_rope_write
 
 
 class RMSNorm(nn.Module):
@@ -32,14 +32,21 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE at absolute positions (the Llama/Qwen3 'default' rope type)."""
+    """Rotate-half RoPE at absolute positions (the Llama/Qwen3 'default' rope type).
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    On an accelerator, with `max_positions` given, cos/sin come from a table of every position computed
+    once per device and dtype (the same float32 ops, so the same values): one gather per forward instead
+    of five launches. Positions past the table (which the engine's context check rules out) are clamped.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.max_positions = max_positions
         # kept out of the module's buffers so .to(bfloat16) never rounds the frequencies
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
@@ -47,11 +54,28 @@ class Rotary(nn.Module):
             self._inv_freq[device] = 1.0 / (self.theta**exps)  # [d/2] float32
         return self._inv_freq[device]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions[bs, q] -> cos, sin [bs, 1, q, head_dim] ready to broadcast over heads
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, 2, head_dim]: cos and sin of every position (built on first use)."""
+        assert self.max_positions is not None
+        key = (device, dtype)
+        if key not in self._tables:
+            cos, sin = self._compute(torch.arange(self.max_positions, device=device), dtype)
+            self._tables[key] = torch.stack((cos, sin), dim=1)
+        return self._tables[key]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions[bs, q] -> cos, sin [bs, 1, q, head_dim] ready to broadcast over heads
+        if self.max_positions is not None and positions.device.type != "cpu":
+            table = self.table(positions.device, dtype)
+            rows = table[positions.clamp(max=table.shape[0] - 1)]  # [bs, q, 2, d]
+            return rows[:, None, :, 0], rows[:, None, :, 1]
+        cos, sin = self._compute(positions, dtype)
+        return cos[:, None], sin[:, None]
 
 
 class FusedLinear:
@@ -178,8 +202,36 @@ class GQAProjections(nn.Module):
         k, v = fused(x, skip=1) if fused is not None else (self.k_proj(x), self.v_proj(x))
         return self.rope_kv(k, v, cos, sin)
 
+    def qkv_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
+                 v_out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`qkv`, with k and v written straight into a cache layer k_out/v_out[bs, KV, S, d] at slots[bs, q];
+        returns q[bs, H, q, d]."""
+        fused = self._fused()
+        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        self._write_kv(k, v, cos, sin, k_out, v_out, slots)
+        return self.rope_q(q, cos, sin)
+
+    def key_value_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
+                       v_out: torch.Tensor, slots: torch.Tensor) -> None:
+        """`key_value`, written straight into k_out/v_out[bs, KV, S, d] at slots[bs, n]."""
+        fused = self._fused()
+        k, v = fused(x, skip=1) if fused is not None else (self.k_proj(x), self.v_proj(x))
+        self._write_kv(k, v, cos, sin, k_out, v_out, slots)
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor) -> None:
+        bs, n, _ = k.shape
+        weight = None if self.k_norm is None else self.k_norm.weight
+        shape = (bs, n, self.n_kv, self.head_dim)
+        norm_rope_write(k.view(shape), v.view(shape), weight, self.eps, cos, sin, k_out, v_out, slots)
+
+    def out_buffer(self, q: torch.Tensor) -> torch.Tensor:
+        """An attention output for q[bs, H, n, d], laid out [bs, n, H, d] underneath so `out` needs no copy."""
+        bs, heads, n, d = q.shape
+        return q.new_empty(bs, n, heads, d).transpose(1, 2)
+
     def out(self, o: torch.Tensor) -> torch.Tensor:
-        # o[bs, H, q, d] -> [bs, q, D]
+        # o[bs, H, q, d] -> [bs, q, D] (a view when o came from out_buffer)
         bs, _, n, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
 

@@ -24,6 +24,12 @@ from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
 
 
+def rotary_positions(max_position_embeddings: int) -> int:
+    """Positions a model's RoPE table covers: the longest context, then a verify window and a draft block
+    (tree nodes sit past the committed tokens)."""
+    return max_position_embeddings + 2 * MAX_TREE_NODES
+
+
 class Attention(GQAProjections):
     """`qkv` (inherited) projects, q/k-norms (Qwen3) and rotates through ddtree.kernels.norm_rope."""
 
@@ -95,7 +101,7 @@ class Target(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, rotary_positions(config.max_position_embeddings))
 
     # -- shared with the drafter -------------------------------------------------------------
     @property
@@ -180,18 +186,17 @@ class Target(nn.Module):
         x = self.embed(input_ids)  # [bs, q, D]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers or [])
-        index = cache.write_index(n_q)
+        slots = cache.write_slots(n_q)
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h, cos, sin)
-            cache.write(i, k, v, index)
+            q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
             if bitmask is None:
                 k_all, v_all = cache.view(i, kv_len)
                 o = attend(q, k_all, v_all, mask)
             else:  # the new rows already sit in the cache at lengths[b] + j
                 k_all, v_all = cache.view(i, cache.max_len)
                 o = tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
-                                   backend=backend)
+                                   backend=backend, out=layer.self_attn.out_buffer(q))
             x = x + layer.self_attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:

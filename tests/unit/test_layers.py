@@ -20,6 +20,7 @@ from ddtree.models import (
     load_drafter,
     load_target,
 )
+from ddtree.models.layers import Rotary
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 
@@ -136,3 +137,23 @@ def test_replaced_weights_fall_back_to_separate_gemms() -> None:
     model.fuse_projections()  # re-fusing picks up the new weights
     assert attn.qkv_proj.intact
     torch.testing.assert_close(_logits(model, ids)[0], _logits(fresh, ids)[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rotary_table_rows_are_the_computed_values(dtype: torch.dtype) -> None:
+    """The accelerator path gathers cos/sin from a table; its rows must be the on-the-fly values bit for bit
+    (and a position past the table reads the last row rather than faulting)."""
+    rotary = Rotary(64, 1_000_000.0, max_positions=5000)
+    positions = torch.tensor([[0, 1, 4095, 4999], [17, 2048, 3, 77]])
+    table = rotary.table(positions.device, dtype)
+    assert table.shape == (5000, 2, 64) and table.dtype == dtype
+    cos, sin = rotary(positions, dtype)  # CPU: computed
+    rows = table[positions]
+    assert torch.equal(rows[:, :, 0], cos[:, 0]) and torch.equal(rows[:, :, 1], sin[:, 0])
+    if torch.cuda.is_available():
+        gpu = positions.cuda()
+        cos_gpu, sin_gpu = rotary(gpu, dtype)
+        want_cos, want_sin = rotary._compute(gpu, dtype)
+        assert torch.equal(cos_gpu[:, 0], want_cos) and torch.equal(sin_gpu[:, 0], want_sin)
+        past = rotary(torch.tensor([[7000]], device="cuda"), dtype)[0]
+        assert torch.equal(past[0, 0, 0], rotary.table(gpu.device, dtype)[-1, 0])
