@@ -37,9 +37,10 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import GraphCache, row_bucket, tree_sizes
 from ddtree.errors import ConfigError, RequestError
 from ddtree.kernels import tree_ops
+from ddtree.kernels.accepted import gather_accepted
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, triton_available
 from ddtree.sampling import choose_tokens_no_sync
-from ddtree.tree import CompiledTrees, DraftTrees, compaction_indices
+from ddtree.tree import CompiledTrees, DraftTrees
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
@@ -234,6 +235,10 @@ class DecodeBatch:
         self.ctx = None
         if spec.speculative:
             self.ctx = engine.drafter.new_context(max_batch, spec.draft_window, max_len)
+            assert engine.mask_token_id is not None  # check_spec: speculation has a drafter
+            # the MASK positions of every draft block (a constant: the block is the bonus, then these)
+            self._masks = torch.full((max_batch, spec.block_size - 1), engine.mask_token_id, dtype=torch.long,
+                                     device=self.device)
         # Per-slot device state (rows 0..n-1 are live).
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
@@ -386,8 +391,7 @@ class DecodeBatch:
         graphed = self.graphs is not None
         sampled = self._any_sampled()
         cap = spec.budget_cap
-        assert self.ctx is not None and eng.mask_token_id is not None  # check_spec: speculation has a drafter
-        mask_id: int = eng.mask_token_id
+        assert self.ctx is not None  # check_spec: speculation has a drafter
         cache, ctx = self.cache.rows(0, m), self.ctx.rows(0, m)
         longest = max(r.committed for r in self.rows)  # host bounds for the eager "sdpa" attention only
 
@@ -395,8 +399,7 @@ class DecodeBatch:
         def draft(s: _RoundState) -> None:
             # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
             s.committed = cache.lengths.clone()  # [m]
-            block_ids = torch.full((m, spec.block_size), mask_id, dtype=torch.long, device=self.device)
-            block_ids[:, 0] = self.bonus[:m]
+            block_ids = torch.cat([self.bonus[:m, None], self._masks[:m]], dim=1)  # [m, block]
             # kernel attention: each row's stored context slots are read in place (their count on the
             # device); "sdpa": at most min(longest context, window) slots, a host bound (ctx_len_hint)
             s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=None if graphed else longest,
@@ -406,9 +409,11 @@ class DecodeBatch:
         def build(s: _RoundState) -> None:
             s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
 
-        drafted = self._run_stages(("draft", m), [("draft", draft), ("build", build)], _RoundState())
         budget = cap
+        drafting = [("draft", draft), ("build", build)]
+        drafted = None
         if self.cost_model is not None:
+            drafted = self._run_stages(("draft", m), drafting, _RoundState())
             # budget auto: the prefix of b* nodes (a valid tree: parents come first) with the most expected
             # tokens per second for the live rows. The verify width is a shape, so b* is read here: one
             # more sync per round (deciding from the previous round's gains would avoid it but choose
@@ -445,19 +450,19 @@ class DecodeBatch:
 
         # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
         def compact(s: _RoundState) -> None:
-            src, _contiguous = compaction_indices(s.accepted, s.accept_lens)
-            cache.compact(src, s.accept_lens)
-            width = s.accepted.shape[1]
-            acc_idx = s.accepted.clamp_min(0)
-            acc_taps = s.taps.gather(1, acc_idx[:, :, None].expand(-1, -1, s.taps.shape[-1]))
-            acc_pos = s.committed[:, None] + torch.arange(width, device=self.device)[None]
+            # moves past a row's accepted length are no-ops, so the -1 padding needs no masking here
+            cache.compact(s.accepted, s.accept_lens)
+            # the path's tokens (column 0: the old bonus) for the host, its taps and positions for the drafter,
+            # and the new bonus into self.bonus: one kernel on CUDA
+            s.host, acc_taps, acc_pos = gather_accepted(s.accepted, s.accept_lens, s.compiled.input_ids, s.new_bonus,
+                                                        s.taps, s.committed, bonus_out=self.bonus[:m])
             eng.drafter.append_context(ctx, acc_taps, acc_pos, s.accept_lens)
-            acc_tokens = s.compiled.input_ids.gather(1, acc_idx)  # [m, L+1]; column 0 is the old bonus
-            self.bonus[:m] = s.new_bonus
-            s.host = torch.cat([acc_tokens, s.new_bonus[:, None], s.accept_lens[:, None]], dim=1)
 
         stages = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
-        s = self._run_stages(("verify", m, budget, sampled), stages, drafted)
+        if drafted is None:  # a fixed budget: the whole round is one graph (one launch, no gap between halves)
+            s = self._run_stages(("round", m, budget, sampled), drafting + stages, _RoundState())
+        else:
+            s = self._run_stages(("verify", m, budget, sampled), stages, drafted)
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
@@ -518,9 +523,9 @@ class DecodeBatch:
             return s
         if t.sync:
             s = prev
-            for name, fn in stages:
+            for i, (name, fn) in enumerate(stages):
                 t.start(name)
-                s = self.graphs.run(key + (name,), functools.partial(_apply, s, [fn]), self._graph_state())
+                s = self.graphs.run(key + (i,), functools.partial(_apply, s, [fn]), self._graph_state())
             return s
         t.start(stages[0][0])  # the whole graph is timed (as enqueued) under its first stage
         return self.graphs.run(key, functools.partial(_apply, prev, [fn for _, fn in stages]), self._graph_state())
