@@ -47,6 +47,10 @@ PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (act
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
+# A graphed batch prefills a lone request of up to this many tokens by replaying a graph (per power-of-two
+# width): eager, its ~150 launches cost ~8 ms of host time on the H200's host for a 1k-token fixture prompt,
+# 5x the device time. Longer prompts and multi-request chunks (whose launches are shared) run eagerly.
+GRAPHED_PREFILL_TOKENS = 4096
 
 
 # What one more prefill forward costs, in padded tokens (fixed work: launches, weight reads). Measured
@@ -191,6 +195,28 @@ def _apply(prev: _RoundState, stages: Sequence[Stage]) -> _RoundState:
     return s
 
 
+class _PrefillStage:
+    """A one-row staging cache (and drafter context) that graphed prefills run on, with static inputs.
+
+    A captured prefill forwards `ids` into the staging rows, then copies them into the slot named by the
+    device index `dst`: the same graph serves every slot. Widths are padded to a power of two (right
+    padding: its K/V lands past the real length and is overwritten later).
+    """
+
+    def __init__(self, batch: DecodeBatch, max_width: int) -> None:
+        eng, dev = batch.engine, batch.device
+        self.max_width = max_width
+        self.cache = eng.target.new_cache(1, max_width)
+        self.ctx = eng.drafter.new_context(1, batch.spec.draft_window, batch.max_len) if batch.ctx is not None else None
+        self.ids = torch.zeros(1, max_width, dtype=torch.long, device=dev)
+        self.positions = torch.arange(max_width, device=dev)[None]  # [1, max_width]
+        self.real = torch.zeros(1, dtype=torch.long, device=dev)  # the prompt's length
+        self.dst = torch.zeros(1, dtype=torch.long, device=dev)  # the batch slot it goes to
+
+    def bucket(self, width: int) -> int:
+        return min(self.max_width, max(64, 1 << (width - 1).bit_length()))
+
+
 @dataclass
 class _Row:
     """Host-side bookkeeping of one running request."""
@@ -224,6 +250,7 @@ class DecodeBatch:
         self.attention = "sdpa" if wide else engine.attention
         self.graphs = GraphCache(self.device) if engine.cuda_graphs and not wide else None
         self._penalty: torch.Tensor | None = None
+        self._stage: _PrefillStage | None = None  # graphed prefills' staging rows, made on first use
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
@@ -318,13 +345,31 @@ class DecodeBatch:
     # -- rounds --------------------------------------------------------------------------------
     def _prefill(self, requests: list[Request]) -> list[StepOutput]:
         """One right-padded target forward for `requests` into the next free slots; their first tokens."""
+        eng = self.engine
+        seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(1 << 31) for r in requests]
+        self.timer.start("prefill")
+        if (self.graphs is not None and len(requests) == 1
+                and len(requests[0].prompt_ids) <= min(GRAPHED_PREFILL_TOKENS, self.max_len)):
+            tokens = self._prefill_graphed(requests[0], seeds[0])
+        else:
+            tokens = self._prefill_eager(requests, seeds)
+        self.timer.stop()
+        outputs = []
+        for i, request in enumerate(requests):
+            stop_ids = set(request.stop_token_ids)
+            if not request.ignore_eos and eng.eos_token_id is not None:
+                stop_ids.add(eng.eos_token_id)
+            row = _Row(request, committed=len(request.prompt_ids), stop_ids=frozenset(stop_ids))
+            self.rows.append(row)
+            outputs.append(self._emit(len(self.rows) - 1, row, [tokens[i]], accept=None))
+        return outputs
+
+    def _prefill_eager(self, requests: list[Request], seeds: list[int]) -> list[int]:
         eng, k = self.engine, len(requests)
         start, stop = len(self.rows), len(self.rows) + k
         lengths = [len(r.prompt_ids) for r in requests]
         width = max(lengths)
         padded = [r.prompt_ids + [0] * (width - len(r.prompt_ids)) for r in requests]
-        seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(1 << 31) for r in requests]
-        self.timer.start("prefill")
         ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [k, width]
         real = torch.tensor(lengths, dtype=torch.long, device=self.device)  # [k]
         self.temps[start:stop] = torch.tensor([float(r.temperature) for r in requests], device=self.device)
@@ -346,17 +391,47 @@ class DecodeBatch:
         first = choose_tokens_no_sync(logits, self.temps[start:stop], self.seeds[start:stop], real[:, None],
                                       any(r.temperature > 0 for r in requests))[:, 0]
         self.bonus[start:stop] = first
-        tokens = first.tolist()  # the one sync: hand the first tokens back
-        self.timer.stop()
-        outputs = []
-        for i, request in enumerate(requests):
-            stop_ids = set(request.stop_token_ids)
-            if not request.ignore_eos and eng.eos_token_id is not None:
-                stop_ids.add(eng.eos_token_id)
-            row = _Row(request, committed=lengths[i], stop_ids=frozenset(stop_ids))
-            self.rows.append(row)
-            outputs.append(self._emit(start + i, row, [tokens[i]], accept=None))
-        return outputs
+        return first.tolist()  # the one sync: hand the first tokens back
+
+    def _prefill_graphed(self, request: Request, seed: int) -> list[int]:
+        """The eager prefill's work for one request, replayed from a graph captured per width bucket."""
+        eng, slot, width = self.engine, len(self.rows), len(request.prompt_ids)
+        if self._stage is None:
+            self._stage = _PrefillStage(self, min(GRAPHED_PREFILL_TOKENS, self.max_len))
+        st = self._stage
+        bucket = st.bucket(width)
+        st.ids[0, :bucket].copy_(torch.tensor(request.prompt_ids + [0] * (bucket - width), dtype=torch.long))
+        st.real.fill_(width)
+        st.dst.fill_(slot)
+        self.temps[slot] = float(request.temperature)
+        self.seeds[slot] = seed
+        sampled = request.temperature > 0
+        taps_layers = eng.tap_layers if self.spec.speculative else None
+
+        def prefill() -> torch.Tensor:
+            cache = st.cache.window(bucket)  # the first `bucket` slots of the staging row
+            cache.lengths.zero_()
+            ids, positions = st.ids[:, :bucket], st.positions[:, :bucket]
+            logits, taps = eng.target.forward(ids, positions, cache, None, taps_layers, kv_len_hint=bucket,
+                                              logit_positions=(st.real - 1)[:, None])
+            cache.advance(st.real)
+            for mine, theirs in ((cache.k, self.cache.k), (cache.v, self.cache.v)):  # into the request's slot
+                theirs[:, :, :, :bucket].index_copy_(1, st.dst, mine)
+            self.cache.lengths.index_copy_(0, st.dst, cache.lengths)
+            if st.ctx is not None and self.ctx is not None:
+                st.ctx.total.zero_()
+                eng.drafter.append_context(st.ctx, taps, positions, st.real)
+                self.ctx.k.index_copy_(1, st.dst, st.ctx.k)
+                self.ctx.v.index_copy_(1, st.dst, st.ctx.v)
+                self.ctx.total.index_copy_(0, st.dst, st.ctx.total)
+            first = choose_tokens_no_sync(logits, self.temps.index_select(0, st.dst), self.seeds.index_select(0, st.dst),
+                                          st.real[:, None], sampled)[:, 0]
+            self.bonus.index_copy_(0, st.dst, first)
+            return first
+
+        assert self.graphs is not None
+        first = self.graphs.run(("prefill", bucket, sampled), prefill, self._graph_state())
+        return first.tolist()  # the one sync: hand the first token back
 
     def _ar_round(self) -> list[StepOutput]:
         n = len(self.rows)

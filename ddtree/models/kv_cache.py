@@ -69,6 +69,16 @@ class KVCache:
         view.max_len, view.batch = self.max_len, stop - start
         return view
 
+    def window(self, max_len: int) -> KVCache:
+        """A view of the first max_len slots of every row (shares storage and lengths)."""
+        if not 1 <= max_len <= self.max_len:
+            raise ValueError(f"KVCache.window: max_len must be in [1, {self.max_len}], got {max_len}")
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, :, :, :max_len], self.v[:, :, :, :max_len]
+        view.lengths = self.lengths
+        view.max_len, view.batch = max_len, self.batch
+        return view
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy batch row src into row dst, K/V and length (keeps a batch's live rows packed)."""
         self.k[:, dst] = self.k[:, src]
