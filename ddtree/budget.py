@@ -155,16 +155,21 @@ class VerifyCostModel:
 
 
 # -- the per-round choice ------------------------------------------------------------------------
-def choose_budget(log_probs: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
+def choose_budget(log_probs: torch.Tensor, costs: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """b* in 1..B maximising the batch's expected tokens per second; a 0-dim long tensor, no host sync.
 
     log_probs[bs, B]: the nodes' path log-probabilities in build order (best first, padding -inf,
-    so its probability is 0). costs[B]: seconds of a round verifying b = 1..B nodes. Expected tokens
-    of the batch with prefix b is sum_rows (1 + cumsum_b p); ties go to the smaller b (argmax picks
-    the first maximum).
+    so its probability is 0). costs[B]: seconds of a round verifying b = 1..B nodes. live[bs] bool:
+    the rows that count (a graphed round's padding rows do not); None: all. Expected tokens of the batch
+    with prefix b is sum_rows (1 + cumsum_b p); ties go to the smaller b (argmax picks the first maximum).
     """
-    gains = log_probs.float().exp().cumsum(dim=-1)  # [bs, B]
-    expected = gains.sum(dim=0) + log_probs.shape[0]  # [B]: rows * 1 (the bonus) + summed path probs
+    log_probs = log_probs.float()
+    rows: torch.Tensor | int = log_probs.shape[0]
+    if live is not None:
+        log_probs = log_probs.masked_fill(~live[:, None], float("-inf"))
+        rows = live.sum()
+    gains = log_probs.exp().cumsum(dim=-1)  # [bs, B]
+    expected = gains.sum(dim=0) + rows  # [B]: rows * 1 (the bonus) + summed path probs
     return (expected / costs.to(expected.device)).argmax() + 1
 
 

@@ -177,6 +177,7 @@ class _RoundState:
     accept_lens: torch.Tensor  # [m]
     new_bonus: torch.Tensor  # [m]
     host: torch.Tensor  # [m, width + 2]: accepted tokens, bonus, accepted length (what goes to the host)
+    next_budget: torch.Tensor  # 0-dim: graphed budget auto's choice for the next round
     next: torch.Tensor  # [m] AR rounds: the next token
 
     def copy(self) -> _RoundState:
@@ -251,6 +252,11 @@ class DecodeBatch:
         self.graphs = GraphCache(self.device) if engine.cuda_graphs and not wide else None
         self._penalty: torch.Tensor | None = None
         self._stage: _PrefillStage | None = None  # graphed prefills' staging rows, made on first use
+        # graphed budget auto: the tree size the previous round chose for this one (None: decide with a sync)
+        self._next_budget: int | None = None
+        self._live = torch.zeros(max_batch, dtype=torch.bool, device=self.device)  # rows < n (not padding)
+        self._live_n = 0
+        self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
@@ -487,15 +493,29 @@ class DecodeBatch:
         budget = cap
         drafting = [("draft", draft), ("build", build)]
         drafted = None
-        if self.cost_model is not None:
+        # budget auto, graphed: after the first round, each round also picks the next round's tree size from
+        # its own tree (on the device, read back with the tokens), so a round is one graph and one sync; the
+        # choice is one round stale. The first round (and every eager round) drafts, reads b* back (a second
+        # sync) and verifies that prefix.
+        ahead = graphed and self.cost_model is not None and self._next_budget is not None
+        costs = self._round_costs(m, cap, graphed) if self.cost_model is not None else None
+        if ahead:
+            assert self._next_budget is not None and costs is not None
+            budget, next_costs = self._next_budget, costs
+            if self._live_n != n:
+                self._live.zero_()
+                self._live[:n] = True
+                self._live_n = n
+            live = self._live[:m]
+
+            def choose_next(s: _RoundState) -> None:
+                s.next_budget = choose_budget(s.trees.log_probs, next_costs, live)
+
+            drafting.append(("build", choose_next))
+        elif costs is not None:
             drafted = self._run_stages(("draft", m), drafting, _RoundState())
-            # budget auto: the prefix of b* nodes (a valid tree: parents come first) with the most expected
-            # tokens per second for the live rows. The verify width is a shape, so b* is read here: one
-            # more sync per round (deciding from the previous round's gains would avoid it but choose
-            # for a stale tree). Graphed, b* is one of the captured tree sizes.
-            costs = self.cost_model.round_costs(m, cap, self.device)  # [cap]; a graphed round computes m rows
-            if graphed:
-                costs = costs + self._non_bucket_penalty(cap)
+            # the prefix of b* nodes (a valid tree: parents come first) with the most expected tokens per
+            # second for the live rows; graphed, b* is one of the captured tree sizes
             budget = int(choose_budget(drafted.trees.log_probs[:n], costs))
         # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
         # themselves would read the device every round, so only the host-known cases skip the mask
@@ -534,13 +554,22 @@ class DecodeBatch:
             eng.drafter.append_context(ctx, acc_taps, acc_pos, s.accept_lens)
 
         stages = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
-        if drafted is None:  # a fixed budget: the whole round is one graph (one launch, no gap between halves)
-            s = self._run_stages(("round", m, budget, sampled), drafting + stages, _RoundState())
+        if ahead:  # the next round's tree size rides along in the rows the host reads
+            def hand_on(s: _RoundState) -> None:
+                s.host = torch.cat([s.host, s.next_budget.expand(m, 1)], dim=1)
+
+            stages.append(("compact", hand_on))
+        if drafted is None:  # a fixed budget (or one chosen last round): the round is one graph, one launch
+            s = self._run_stages(("round", m, budget, sampled, ahead), drafting + stages, _RoundState())
         else:
             s = self._run_stages(("verify", m, budget, sampled), stages, drafted)
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
+        if graphed and costs is not None:
+            self._next_budget = host[0].pop() if ahead else budget
+            for row in host[1:] if ahead else ():
+                row.pop()
         self.timer.stop()
         self._clear_padding(n, m)
         self.last_budget = budget
@@ -569,6 +598,17 @@ class DecodeBatch:
             self.cache.lengths[n:m].zero_()
             if self.ctx is not None:
                 self.ctx.total[n:m].zero_()
+
+    def _round_costs(self, m: int, cap: int, graphed: bool) -> torch.Tensor:
+        """Budget auto's [cap] round costs for m computed rows; graphed, +inf on sizes with no graph (one
+        static tensor per (m, cap): a captured choice reads it in place)."""
+        assert self.cost_model is not None
+        costs = self.cost_model.round_costs(m, cap, self.device)
+        if not graphed:
+            return costs
+        if (m, cap) not in self._auto_costs:
+            self._auto_costs[(m, cap)] = costs + self._non_bucket_penalty(cap)
+        return self._auto_costs[(m, cap)]
 
     def _non_bucket_penalty(self, cap: int) -> torch.Tensor:
         """+inf on the tree sizes that have no captured verify (budget auto picks among tree_sizes(cap))."""

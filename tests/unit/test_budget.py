@@ -68,6 +68,17 @@ def test_ties_pick_the_smaller_tree() -> None:
     assert int(choose_budget(log_probs, torch.ones(3))) == 1
 
 
+def test_padding_rows_do_not_count() -> None:
+    """A graphed round's padding rows (live False) hold garbage trees: the choice is that of the live rows."""
+    live_rows = torch.log(torch.tensor([[0.9, 0.05, 0.01, 0.01]] * 2))
+    garbage = torch.zeros(2, 4)  # probability 1 everywhere: would pull the choice to the cap
+    costs = torch.tensor([1.0, 1.2, 1.4, 1.6])
+    padded = torch.cat([live_rows, garbage])
+    live = torch.tensor([True, True, False, False])
+    assert int(choose_budget(padded, costs, live)) == int(choose_budget(live_rows, costs)) == 1
+    assert int(choose_budget(padded, costs)) == 4
+
+
 def _model(verify_per_node: float, fixed: float = 1e-3) -> VerifyCostModel:
     nodes = (2, 5, 9, 17, 33)
     return VerifyCostModel((1, 8), nodes, tuple(tuple(fixed + verify_per_node * n * r for n in nodes) for r in (1, 8)),
