@@ -35,7 +35,8 @@ MAX_TREE_NODES = 256  # 4 bitmask words per row; larger trees would need more re
 _BLOCK_N = 64  # prefix keys per tile
 # A split may be as short as one tile: a decode step's few query rows make each tile a chain of dependent
 # loads, so latency falls with every tile moved to another program (H200, fixture pair, context 1024,
-# batch 1: 256-key splits gave 2192 AR tok/s, 64-key splits 2466; the merge of more partials is cheap).
+# batch 1: 21-22 us a layer with 256-key splits; AR 2192 -> 2466 tok/s in two runs minutes apart, see
+# docs/perf.md, third pass). The merge of more partials is cheap.
 MIN_SPLIT_KEYS = _BLOCK_N
 _TREE_TILE = 64  # tree keys per tile: one bitmask word
 
