@@ -13,7 +13,7 @@ import torch
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
-from ddtree.engine import Engine, Request
+from ddtree.engine import DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels.tree_attention import triton_available
 from tests.unit.test_engine import AR, make_engine, prompts
@@ -132,6 +132,19 @@ def test_graphed_rounds_equal_ar(spec: SpecConfig, temperature: float) -> None:
     assert [o.token_ids for o in ar_graphed] == [r.token_ids for r in ref]
 
 
+def _join_one_by_one(b: DecodeBatch, batch: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Each prompt joins as soon as a slot is free (one prefill each) and leaves when done: their tokens."""
+    pending = [Request(str(i), p, n) for i, (p, n) in enumerate(zip(batch, lengths))]
+    got: dict[str, list[int]] = {r.request_id: [] for r in pending}
+    while pending or b.active:
+        while pending and b.free_slots:
+            for o in b.add(pending.pop(0)):
+                got[o.request_id] += o.new_token_ids
+        for o in b.step():
+            got[o.request_id] += o.new_token_ids
+    return [got[str(i)] for i in range(len(batch))]
+
+
 @pytest.mark.gpu
 @cuda
 def test_graphed_slots_refill_across_buckets() -> None:
@@ -142,15 +155,7 @@ def test_graphed_slots_refill_across_buckets() -> None:
     lengths = [5, 31, 9, 40, 12, 3]
     ref = [engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = engine.open_batch(spec, max_batch=3, max_len=160)
-    pending = [Request(str(i), p, n) for i, (p, n) in enumerate(zip(batch, lengths))]
-    got: dict[str, list[int]] = {r.request_id: [] for r in pending}
-    while pending or b.active:
-        while pending and b.free_slots:
-            for o in b.add(pending.pop(0)):
-                got[o.request_id] += o.new_token_ids
-        for o in b.step():
-            got[o.request_id] += o.new_token_ids
-    assert [got[str(i)] for i in range(len(batch))] == ref
+    assert _join_one_by_one(b, batch, lengths) == ref
     assert b.graphs is not None and b.graphs.replays > b.graphs.captures > 0
 
 
@@ -177,15 +182,7 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160)
     b.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
-    pending = [Request(str(i), p, n) for i, (p, n) in enumerate(zip(batch, lengths))]
-    got: dict[str, list[int]] = {r.request_id: [] for r in pending}
-    while pending or b.active:
-        while pending and b.free_slots:
-            for o in b.add(pending.pop(0)):
-                got[o.request_id] += o.new_token_ids
-        for o in b.step():
-            got[o.request_id] += o.new_token_ids
-    assert [got[str(i)] for i in range(len(batch))] == ref
+    assert _join_one_by_one(b, batch, lengths) == ref
     assert {k for k in graphs.keys if k[0] == "prefill"} == {("prefill", 64, False)}  # every prompt <= 64 tokens
     if spec.auto_budget:  # after the first round, each round's tree size was chosen by the round before
         rounds = [k for k in graphs.keys if k[0] in ("round", "draft")]
