@@ -566,10 +566,11 @@ class DecodeBatch:
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
-        if graphed and costs is not None:
-            self._next_budget = host[0].pop() if ahead else budget
-            for row in host[1:] if ahead else ():
-                row.pop()
+        if ahead:  # strip the ride-along column: next round's tree size
+            self._next_budget = host[0][-1]
+            host = [row[:-1] for row in host]
+        elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
+            self._next_budget = budget
         self.timer.stop()
         self._clear_padding(n, m)
         self.last_budget = budget
