@@ -237,6 +237,21 @@ def test_triton_tile_overrides_agree(block_t: int, block_m: int | None, num_warp
     assert_close(out, exact(inputs), what=f"block_t {block_t}, block_m {block_m}")
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_tf32_is_close(splits: int) -> None:
+    """tf32=True (the drafter's choice for float32) stays within TF32's rounding of the exact answer, through
+    the dispatcher too; the reference ignores the flag."""
+    case = Case(2, 150, 9, 2, 2, 64, torch.float32, False, splits=splits, seed=25)
+    inputs = make_inputs(case, DEVICE)
+    out = tree_attention_triton(**inputs, splits=splits, tf32=True)
+    assert_close(out, exact(inputs), atol=3e-3, rtol=3e-3, what=f"tf32, {splits} splits")
+    via = tree_attention(**inputs, backend="triton", tf32=True)
+    assert_close(via, exact(inputs), atol=3e-3, rtol=3e-3, what="tf32 through the dispatcher")
+    assert torch.equal(tree_attention(**inputs, backend="reference", tf32=True),
+                       tree_attention(**inputs, backend="reference"))
+
+
 def test_triton_rejects_a_tile_across_words() -> None:
     inputs = make_inputs(Case(1, 4, 5, 1, 1, 16, torch.float32, False), torch.device("cpu"))
     with pytest.raises(ValueError, match="block_t must be 16, 32 or 64"):
