@@ -9,10 +9,15 @@ positions) live in a `DraftContext` ring buffer holding the last `window` positi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.kernels.accepted import ring_slots_reference
+from ddtree.kernels.fused_linear import fused_linear
 from ddtree.kernels.tree_attention import tree_attention
 from ddtree.models.configs import DrafterConfig, TargetConfig
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
@@ -40,6 +45,29 @@ class DraftLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused q/k/v and gate/up weights `fused_linear` runs on, or None (not fused, or a bias to add)."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qkv_proj is None or not attn.qkv_proj.live or mlp.gate_up is None or not mlp.gate_up.live:
+            return None
+        if any(lin.bias is not None for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                 mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return None
+        return attn.qkv_proj.weight, mlp.gate_up.weight
+
+    def forward_fused(self, x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+                      sin: torch.Tensor, attend_block: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                      ) -> torch.Tensor:
+        """The layer in four `fused_linear` launches (norm -> q/k/v, o_proj + x, norm -> SwiGLU, down + x)
+        around the attention; the block's numbers differ from the module ops by summation order only."""
+        qkv_w, gate_up_w = weights
+        attn, mlp = self.self_attn, self.mlp
+        q, kb, vb = attn.qkv_from(fused_linear(x, qkv_w, self.input_layernorm.weight, self.input_layernorm.eps), cos, sin)
+        x = fused_linear(attn.merge_heads(attend_block(q, kb, vb)), attn.o_proj.weight, residual=x)
+        h = fused_linear(x, gate_up_w, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                         swiglu=True)
+        return fused_linear(h, mlp.down_proj.weight, residual=x)
 
 
 class DraftContext:
@@ -138,25 +166,35 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(taps.to(self.dtype)))
 
     def append_context(
-        self, ctx: DraftContext, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor
+        self, ctx: DraftContext, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+        slots: torch.Tensor | None = None,
     ) -> None:
         """Add taps[bs, m, T*D] at positions[bs, m]; only the first counts[b] rows of row b are real.
 
         Vectorised, no host sync. If counts[b] exceeds the capacity, only its last `capacity`
-        rows are kept (the earlier ones would be overwritten anyway).
+        rows are kept (the earlier ones would be overwritten anyway). slots[bs, m]: the ring slots, when the
+        caller already has them (`ring_slots_reference` of these counts; gather_accepted computes them).
         """
-        m = taps.shape[1]
-        device = ctx.k.device
-        counts = counts.to(device=device, dtype=torch.long)
-        j = torch.arange(m, device=device)[None, :]  # [1, m]
-        live = j < counts[:, None]  # [bs, m]
-        if m > ctx.capacity:  # only the last `capacity` rows survive (a decode round never gets here)
-            live &= j >= counts[:, None] - ctx.capacity
-        slots = torch.where(live, (ctx.total[:, None] + j) % ctx.capacity, ctx.capacity)  # [bs, m]
-        fused = self.fuse(taps)  # [bs, m, D]
+        counts = counts.to(device=ctx.k.device, dtype=torch.long)
+        if slots is None:
+            slots = ring_slots_reference(counts, ctx.total, ctx.capacity, taps.shape[1])  # [bs, m]
         cos, sin = self.rotary(positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.key_value_into(fused, cos, sin, ctx.k[i], ctx.v[i], slots)
+        weights = [layer.fused_weights() for layer in self.layers]
+        if all(w is not None for w in weights):
+            # hidden_norm folds into each layer's k/v GEMM: fc, then one fused_linear per layer (a decode round
+            # appends a few rows, where launches dominate; on the CPU, and for a prefill's many rows, it is
+            # exactly the ops below)
+            projected = self.fc(taps.to(self.dtype))
+            norm = self.hidden_norm
+            for i, (layer, w) in enumerate(zip(self.layers, weights)):
+                assert w is not None
+                attn = layer.self_attn
+                kv = fused_linear(projected, w[0][attn.n_heads * attn.head_dim:], norm.weight, norm.eps)
+                attn.write_kv(*kv.chunk(2, dim=-1), cos, sin, ctx.k[i], ctx.v[i], slots)
+        else:
+            fused = self.fuse(taps)  # [bs, m, D]
+            for i, layer in enumerate(self.layers):
+                layer.self_attn.key_value_into(fused, cos, sin, ctx.k[i], ctx.v[i], slots)
         ctx.total += counts
 
     # -- drafting ----------------------------------------------------------------------------
@@ -202,18 +240,30 @@ class DFlashDrafter(nn.Module):
         positions = start.to(device)[:, None] + torch.arange(block, device=device)[None, :]  # [bs, block]
         cos, sin = self.rotary(positions, self.dtype)
         x = self.target.embed(block_ids).to(self.dtype)  # [bs, block, D]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, kb, vb = attn.qkv(layer.input_layernorm(x), cos, sin)
+
+        def attend_block(i: int, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
             if bitmask is None:
                 k = torch.cat([ctx.k[i, :, :, :n_ctx], kb], dim=2)
                 v = torch.cat([ctx.v[i, :, :, :n_ctx], vb], dim=2)
-                o = attend(q, k, v, mask)
-            else:  # slots < stored hold context (ring order does not matter: no causal order)
-                o = tree_attention(q, ctx.k[i], ctx.v[i], stored, kb, vb, bitmask, q.shape[-1] ** -0.5,
-                                   backend="triton" if attention == "triton" else "reference",
-                                   out=attn.out_buffer(q))
-            x = x + attn.out(o)
+                return attend(q, k, v, mask)
+            # slots < stored hold context (ring order does not matter: no causal order)
+            # TF32 on the kernel path: the drafter's numbers steer proposals, never acceptance
+            return tree_attention(q, ctx.k[i], ctx.v[i], stored, kb, vb, bitmask, q.shape[-1] ** -0.5,
+                                  backend="triton" if attention == "triton" else "reference",
+                                  out=self.layers[i].self_attn.out_buffer(q), tf32=True)
+
+        # the kernel path on a GPU: each layer in four fused_linear launches around its attention (a drafting
+        # step is a few rows through small layers, so launches, not arithmetic, set its time)
+        fused = [layer.fused_weights() for layer in self.layers] if attention == "triton" else []
+        if fused and all(w is not None for w in fused) and self.target.dtype == self.dtype:
+            for i, (layer, weights) in enumerate(zip(self.layers, fused)):
+                assert weights is not None
+                x = layer.forward_fused(x, weights, cos, sin, functools.partial(attend_block, i))
+            return fused_linear(x[:, 1:], self.target.lm_head_weight, self.norm.weight, self.norm.eps).float()
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, kb, vb = attn.qkv(layer.input_layernorm(x), cos, sin)
+            x = x + attn.out(attend_block(i, q, kb, vb))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.target.lm_head(self.norm(x[:, 1:]).to(self.target.dtype))
 

@@ -196,6 +196,13 @@ class GQAProjections(nn.Module):
         q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         return (self.rope_q(q, cos, sin), *self.rope_kv(k, v, cos, sin))
 
+    def qkv_from(
+        self, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv` from an already computed [bs, q, (H + 2 KV) * d] output of the fused q/k/v weight."""
+        q, k, v = projected.split([self.n_heads * self.head_dim, *(2 * [self.n_kv * self.head_dim])], dim=-1)
+        return (self.rope_q(q, cos, sin), *self.rope_kv(k, v, cos, sin))
+
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x[bs, n, D] -> k, v [bs, KV, n, d]
         fused = self._fused()
@@ -208,7 +215,7 @@ class GQAProjections(nn.Module):
         returns q[bs, H, q, d]."""
         fused = self._fused()
         q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        self._write_kv(k, v, cos, sin, k_out, v_out, slots)
+        self.write_kv(k, v, cos, sin, k_out, v_out, slots)
         return self.rope_q(q, cos, sin)
 
     def key_value_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
@@ -216,10 +223,11 @@ class GQAProjections(nn.Module):
         """`key_value`, written straight into k_out/v_out[bs, KV, S, d] at slots[bs, n]."""
         fused = self._fused()
         k, v = fused(x, skip=1) if fused is not None else (self.k_proj(x), self.v_proj(x))
-        self._write_kv(k, v, cos, sin, k_out, v_out, slots)
+        self.write_kv(k, v, cos, sin, k_out, v_out, slots)
 
-    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor) -> None:
+        """Projected k/v[bs, n, KV*d] (k normed if qk_norm, rotated) into k_out/v_out[bs, KV, S, d] at slots[bs, n]."""
         bs, n, _ = k.shape
         weight = None if self.k_norm is None else self.k_norm.weight
         shape = (bs, n, self.n_kv, self.head_dim)
@@ -230,10 +238,14 @@ class GQAProjections(nn.Module):
         bs, heads, n, d = q.shape
         return q.new_empty(bs, n, heads, d).transpose(1, 2)
 
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        # o[bs, H, q, d] -> [bs, q, D] (a view when o came from out_buffer)
+    def merge_heads(self, o: torch.Tensor) -> torch.Tensor:
+        # o[bs, H, q, d] -> [bs, q, H*d] (a view when o came from out_buffer)
         bs, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim))
+        return o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        # o[bs, H, q, d] -> [bs, q, D]
+        return self.o_proj(self.merge_heads(o))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

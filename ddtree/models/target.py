@@ -124,10 +124,14 @@ class Target(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, D]: the output head's weight (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.head is None else self.head.weight
+
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[..., D] (already normed) -> logits[..., V] float32."""
-        weight = self.model.embed_tokens.weight if self.head is None else self.head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.lm_head_weight).float()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
