@@ -39,6 +39,8 @@ from ddtree.errors import ConfigError, RequestError
 from ddtree.kernels import tree_ops
 from ddtree.kernels.accepted import gather_accepted
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, triton_available
+from ddtree.models.dflash import DraftContext
+from ddtree.models.kv_cache import KVCache
 from ddtree.sampling import choose_tokens_no_sync
 from ddtree.tree import CompiledTrees, DraftTrees
 
@@ -272,6 +274,8 @@ class DecodeBatch:
             # the MASK positions of every draft block (a constant: the block is the bonus, then these)
             self._masks = torch.full((max_batch, spec.block_size - 1), engine.mask_token_id, dtype=torch.long,
                                      device=self.device)
+        # the first m rows of the cache and the context, by m (views: a round reuses them, not rebuilds them)
+        self._views: dict[int, tuple[KVCache, DraftContext | None]] = {}
         # Per-slot device state (rows 0..n-1 are live).
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
@@ -444,7 +448,7 @@ class DecodeBatch:
         m = self._padded_rows(n)
         sampled = self._any_sampled()
         hint = None if self.graphs is not None else max(r.committed for r in self.rows) + 1
-        cache = self.cache.rows(0, m)
+        cache, _ = self._first_rows(m)
 
         def verify(s: _RoundState) -> None:
             committed = cache.lengths.clone()  # [m] == each row's committed length, already on the device
@@ -473,7 +477,8 @@ class DecodeBatch:
         sampled = self._any_sampled()
         cap = spec.budget_cap
         assert self.ctx is not None  # check_spec: speculation has a drafter
-        cache, ctx = self.cache.rows(0, m), self.ctx.rows(0, m)
+        cache, ctx = self._first_rows(m)
+        assert ctx is not None
         longest = max(r.committed for r in self.rows)  # host bounds for the eager "sdpa" attention only
 
         # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
@@ -547,11 +552,12 @@ class DecodeBatch:
         def compact(s: _RoundState) -> None:
             # moves past a row's accepted length are no-ops, so the -1 padding needs no masking here
             cache.compact(s.accepted, s.accept_lens)
-            # the path's tokens (column 0: the old bonus) for the host, its taps and positions for the drafter,
-            # and the new bonus into self.bonus: one kernel on CUDA
-            s.host, acc_taps, acc_pos = gather_accepted(s.accepted, s.accept_lens, s.compiled.input_ids, s.new_bonus,
-                                                        s.taps, s.committed, bonus_out=self.bonus[:m])
-            eng.drafter.append_context(ctx, acc_taps, acc_pos, s.accept_lens)
+            # the path's tokens (column 0: the old bonus) for the host, its taps, positions and ring slots for the
+            # drafter, and the new bonus into self.bonus: one kernel on CUDA
+            path = gather_accepted(s.accepted, s.accept_lens, s.compiled.input_ids, s.new_bonus, s.taps,
+                                   s.committed, bonus_out=self.bonus[:m], ring=(ctx.total, ctx.capacity))
+            s.host = path.host
+            eng.drafter.append_context(ctx, path.taps, path.positions, s.accept_lens, slots=path.slots)
 
         stages = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
         if ahead:  # the next round's tree size rides along in the rows the host reads
@@ -588,6 +594,12 @@ class DecodeBatch:
         return outputs
 
     # -- eager or graphed stages ---------------------------------------------------------------
+    def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:
+        """Views of the cache's and the context's first m rows (made once per m: each is a few slicing ops)."""
+        if m not in self._views:
+            self._views[m] = (self.cache.rows(0, m), None if self.ctx is None else self.ctx.rows(0, m))
+        return self._views[m]
+
     def _padded_rows(self, n: int) -> int:
         """Rows a round computes: n eagerly; graphed, n padded up to a captured bucket (the rows past n
         are free slots with length 0, whatever they compute is discarded)."""

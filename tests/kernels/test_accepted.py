@@ -15,7 +15,12 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.kernels.accepted import gather_accepted, gather_accepted_reference, gather_accepted_triton
+from ddtree.kernels.accepted import (
+    gather_accepted,
+    gather_accepted_reference,
+    gather_accepted_triton,
+    ring_slots_reference,
+)
 from tests.kernels.kernel_asserts import interpreter_off_but_installed, run_triton_cases_in_child, triton_runtime
 
 pytestmark = pytest.mark.kernels
@@ -49,7 +54,8 @@ def make_inputs(bs: int, width: int, nodes: int, features: int, dtype: torch.dty
 def test_reference_follows_each_path(case: tuple) -> None:
     accepted, lens, tokens, bonus, taps, starts = make_inputs(*case)
     bonus_out = torch.zeros_like(bonus)
-    host, path_taps, positions = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts, bonus_out)
+    host, path_taps, positions, slots = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts, bonus_out)
+    assert slots is None  # no ring given
     width = accepted.shape[1]
     assert torch.equal(bonus_out, bonus)
     for b in range(accepted.shape[0]):
@@ -61,20 +67,38 @@ def test_reference_follows_each_path(case: tuple) -> None:
         assert positions[b, :k].tolist() == list(range(int(starts[b]), int(starts[b]) + k))
 
 
+@pytest.mark.parametrize(("capacity", "total"), [(16, [0, 14, 30]), (3, [5, 0, 7])], ids=["wraps", "short-ring"])
+def test_ring_slots_follow_the_ring(capacity: int, total: list[int]) -> None:
+    """Path row j of row b goes to (total + j) % capacity; rows past the length, and all but the last
+    `capacity` rows of a path longer than the ring, go to the sink slot `capacity`."""
+    lens = torch.tensor([0, 5, 2])
+    slots = ring_slots_reference(lens, torch.tensor(total), capacity, width=6)
+    for b in range(3):
+        k = int(lens[b])
+        for j in range(6):
+            kept = j < k and j >= k - capacity
+            want = (total[b] + j) % capacity if kept else capacity
+            assert int(slots[b, j]) == want, f"row {b}, path row {j}"
+
+
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c}")
 def test_triton_equals_reference(case: tuple) -> None:
     accepted, lens, tokens, bonus, taps, starts = make_inputs(*case, seed=1)
     want_bonus, got_bonus = torch.zeros_like(bonus), torch.zeros_like(bonus)
-    want = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts, want_bonus)
-    got = gather_accepted_triton(accepted, lens, tokens, bonus, taps, starts, got_bonus)
+    total = torch.arange(accepted.shape[0], device=DEVICE) * 7 + 3
+    ring = (total, 4)  # a ring shorter than some paths: its sink slot is used too
+    want = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts, want_bonus, ring=ring)
+    got = gather_accepted_triton(accepted, lens, tokens, bonus, taps, starts, got_bonus, ring=ring)
     width = accepted.shape[1]
     live = torch.arange(width, device=DEVICE)[None] < lens[:, None]  # entries past a length are don't-cares
-    assert torch.equal(got[0][:, :width][live], want[0][:, :width][live]), "path tokens"
-    assert torch.equal(got[0][:, width:], want[0][:, width:]), "bonus and length columns"
-    assert torch.equal(got[1][live], want[1][live]), "path taps"
-    assert torch.equal(got[2][live], want[2][live]), "positions"
+    assert torch.equal(got.host[:, :width][live], want.host[:, :width][live]), "path tokens"
+    assert torch.equal(got.host[:, width:], want.host[:, width:]), "bonus and length columns"
+    assert torch.equal(got.taps[live], want.taps[live]), "path taps"
+    assert torch.equal(got.positions[live], want.positions[live]), "positions"
+    assert got.slots is not None and torch.equal(got.slots, want.slots), "ring slots (every entry: the sink too)"
     assert torch.equal(got_bonus, bonus)
+    assert gather_accepted_triton(accepted, lens, tokens, bonus, taps, starts).slots is None
 
 
 @needs_triton
@@ -82,8 +106,8 @@ def test_triton_dispatch_and_strided_taps() -> None:
     """auto picks the kernel on CUDA; taps may be a strided view (a slice of a wider buffer)."""
     accepted, lens, tokens, bonus, taps, starts = make_inputs(2, 4, 9, 64, torch.float32, seed=2)
     wide = torch.cat([taps, taps], dim=-1)[..., 64:]  # the same values, row stride 128
-    host, path_taps, _ = gather_accepted(accepted, lens, tokens, bonus, wide, starts, backend="triton")
-    ref_host, ref_taps, _ = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts)
+    host, path_taps, _, _ = gather_accepted(accepted, lens, tokens, bonus, wide, starts, backend="triton")
+    ref_host, ref_taps, _, _ = gather_accepted_reference(accepted, lens, tokens, bonus, taps, starts)
     live = torch.arange(4, device=DEVICE)[None] < lens[:, None]
     assert torch.equal(path_taps[live], ref_taps[live]) and torch.equal(host[:, 4:], ref_host[:, 4:])
 
@@ -98,6 +122,10 @@ def test_rejects_bad_shapes_before_any_work() -> None:
         gather_accepted(accepted, lens, tokens, bonus, taps, starts.float())
     with pytest.raises(ValueError, match="backend"):
         gather_accepted(accepted, lens, tokens, bonus, taps, starts, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        gather_accepted(accepted, lens, tokens, bonus, taps, starts, ring=(starts, 0))
+    with pytest.raises(ValueError, match="ring total must be"):
+        gather_accepted(accepted, lens, tokens, bonus, taps, starts, ring=(starts[:1], 8))
 
 
 @pytest.mark.skipif(not interpreter_off_but_installed(),
