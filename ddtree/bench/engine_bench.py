@@ -88,7 +88,7 @@ def parse_configs(ids: list[str]) -> list[SpecConfig]:
     return list(unique.values())
 
 
-def _check_positive(flag: str, values: list[int]) -> None:
+def check_positive(flag: str, values: list[int]) -> None:
     for v in values:
         if v < 1:
             raise ConfigError(f"{flag}: {v} is out of range (allowed >= 1)")
@@ -302,11 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # everything checkable is checked before a model is loaded
         specs = parse_configs(args.configs)
-        _check_positive("--concurrency", args.concurrency)
-        _check_positive("--contexts", args.contexts)
-        _check_positive("--max-new-tokens", [args.max_new_tokens])
-        _check_positive("--repeats", [args.repeats])
-        _check_positive("--warmup-tokens", [args.warmup_tokens])
+        check_positive("--concurrency", args.concurrency)
+        check_positive("--contexts", args.contexts)
+        check_positive("--max-new-tokens", [args.max_new_tokens])
+        check_positive("--repeats", [args.repeats])
+        check_positive("--warmup-tokens", [args.warmup_tokens])
     except ConfigError as err:
         print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from ddtree.bench.engine_bench import (
     FIXTURE_TARGET,
     Cell,
     cell_prompts,
+    check_positive,
     check_prompt_source,
     parse_configs,
     skip_reason,
@@ -124,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = parse_configs(args.configs)
         for flag, value in (("--context", args.context), ("--concurrency", args.concurrency),
                             ("--pairs", args.pairs), ("--max-new-tokens", args.max_new_tokens)):
-            if value < 1:
-                raise ConfigError(f"{flag}: {value} is out of range (allowed >= 1)")
+            check_positive(flag, [value])
         if len(specs) > POOLED_BATCHES:
             raise ConfigError(f"--configs: {len(specs)} configs (AR included) is out of range (allowed 1..{POOLED_BATCHES}: "
                               "each keeps its batch and graphs alive across the rounds)")
