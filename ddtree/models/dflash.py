@@ -60,7 +60,8 @@ class DraftLayer(nn.Module):
                       sin: torch.Tensor, attend_block: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                       ) -> torch.Tensor:
         """The layer in four `fused_linear` launches (norm -> q/k/v, o_proj + x, norm -> SwiGLU, down + x)
-        around the attention; the block's numbers differ from the module ops by summation order only."""
+        around the attention; the block's numbers differ from the module ops by summation order (and, for
+        float32 on a GPU, TF32 rounding)."""
         qkv_w, gate_up_w = weights
         attn, mlp = self.self_attn, self.mlp
         q, kb, vb = attn.qkv_from(fused_linear(x, qkv_w, self.input_layernorm.weight, self.input_layernorm.eps), cos, sin)
