@@ -78,9 +78,9 @@ def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: t
     return y if residual is None else residual + y
 
 
-# how the kernel multiplies a tile: tl.dot in IEEE float32, tl.dot in TF32, float32 multiply-and-sum on the
-# CUDA cores (no tl.dot), or tl.dot on 16-bit inputs as they are
-DOT_MODES = {"ieee": 0, "tf32": 1, "fma": 2, "native": 3}
+# how the kernel multiplies a tile: tl.dot in IEEE float32, tl.dot in TF32, or tl.dot on 16-bit inputs as
+# they are (a multiply-and-sum on the CUDA cores without tl.dot was slower than IEEE at every drafter shape)
+DOT_MODES = {"ieee": 0, "tf32": 1, "native": 2}
 
 if triton is not None:
 
@@ -91,8 +91,6 @@ if triton is not None:
             return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         elif MODE == 1:
             return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
-        elif MODE == 2:
-            return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         else:
             return tl.dot(x, tl.trans(w))
 
@@ -171,7 +169,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: torc
         dot = "native" if x.dtype != torch.float32 and x.is_cuda else "tf32" if x.is_cuda else "ieee"
     if dot not in DOT_MODES:
         raise ValueError(f"fused_linear: dot must be one of {sorted(DOT_MODES)}, got {dot!r}")
-    block_k = block_k or (16 if dot == "fma" else 64)
+    block_k = block_k or 64
     block_m = 16 if n_rows <= 16 else 32
     # few rows: narrow column blocks, so the weight (the bytes that matter) is read by many programs at once
     block_n = block_n or (32 if n_rows <= 32 else 64)

@@ -154,10 +154,10 @@ def test_triton_matches_reference_gpu(case: Case) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("dot", ["ieee", "tf32", "fma"])
+@pytest.mark.parametrize("dot", ["ieee", "tf32"])
 def test_triton_two_dim_input_tiling_and_dot_overrides(dot: str) -> None:
     """[rows, K] input gives [rows, N]; other tiles and each way of multiplying give the same result (IEEE
-    float32 and CUDA-core products to float32 rounding)."""
+    float32 to float32 rounding)."""
     case = CPU_CASES[1]
     args = make_inputs(case, DEVICE)
     flat = {"x": args["x"][0], "weight": args["weight"], "residual": args["residual"][0]}
