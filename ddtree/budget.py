@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ddtree.errors import ConfigError
-from ddtree.kernels import tree_ops
+from ddtree.kernels import budget_choice, tree_ops
 from ddtree.tree import DraftTrees
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "VerifyCostModel",
     "choose_budget",
+    "choose_budget_reference",
     "default_node_counts",
     "default_row_counts",
     "measure_verify_cost",
@@ -155,14 +156,28 @@ class VerifyCostModel:
 
 
 # -- the per-round choice ------------------------------------------------------------------------
-def choose_budget(log_probs: torch.Tensor, costs: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+def choose_budget(log_probs: torch.Tensor, costs: torch.Tensor, live: torch.Tensor | None = None,
+                  backend: str = "auto") -> torch.Tensor:
     """b* in 1..B maximising the batch's expected tokens per second; a 0-dim long tensor, no host sync.
 
     log_probs[bs, B]: the nodes' path log-probabilities in build order (best first, padding -inf,
     so its probability is 0). costs[B]: seconds of a round verifying b = 1..B nodes. live[bs] bool:
     the rows that count (a graphed round's padding rows do not); None: all. Expected tokens of the batch
     with prefix b is sum_rows (1 + cumsum_b p); ties go to the smaller b (argmax picks the first maximum).
+    backend "auto": one Triton launch on CUDA (ddtree.kernels.budget_choice), else the torch reference;
+    "triton" or "reference" to force one.
     """
+    if backend not in ("auto", "triton", "reference"):
+        raise ConfigError(f"backend: {backend!r} is not one of 'auto', 'triton', 'reference'")
+    if backend == "triton" or (backend == "auto" and log_probs.is_cuda and budget_choice.triton is not None
+                               and log_probs.shape[-1] <= budget_choice.MAX_BUDGET):
+        return budget_choice.choose_budget_triton(log_probs, costs, live)
+    return choose_budget_reference(log_probs, costs, live)
+
+
+def choose_budget_reference(log_probs: torch.Tensor, costs: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch ops of `choose_budget` (the CPU path, and the kernel's reference)."""
+    budget_choice.check_choice_inputs(log_probs, costs, live)
     log_probs = log_probs.float()
     rows: torch.Tensor | int = log_probs.shape[0]
     if live is not None:

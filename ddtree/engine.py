@@ -258,6 +258,7 @@ class DecodeBatch:
         self._next_budget: int | None = None
         self._live = torch.zeros(max_batch, dtype=torch.bool, device=self.device)  # rows < n (not padding)
         self._live_n = 0
+        self._sizes_captured: set[tuple[int, bool]] = set()  # (rows, sampled) whose every tree size is captured
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
@@ -471,104 +472,36 @@ class DecodeBatch:
         return outputs
 
     def _speculative_round(self) -> list[StepOutput]:
-        n, spec, eng = len(self.rows), self.spec, self.engine
+        n, cap = len(self.rows), self.spec.budget_cap
         m = self._padded_rows(n)
         graphed = self.graphs is not None
         sampled = self._any_sampled()
-        cap = spec.budget_cap
-        assert self.ctx is not None  # check_spec: speculation has a drafter
-        cache, ctx = self._first_rows(m)
-        assert ctx is not None
-        longest = max(r.committed for r in self.rows)  # host bounds for the eager "sdpa" attention only
-
-        # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
-        def draft(s: _RoundState) -> None:
-            # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
-            s.committed = cache.lengths.clone()  # [m]
-            block_ids = torch.cat([self.bonus[:m, None], self._masks[:m]], dim=1)  # [m, block]
-            # kernel attention: each row's stored context slots are read in place (their count on the
-            # device); "sdpa": at most min(longest context, window) slots, a host bound (ctx_len_hint)
-            s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=None if graphed else longest,
-                                                 attention=self.attention)  # [m, L, V]
-
-        # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
-        def build(s: _RoundState) -> None:
-            s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
-
-        budget = cap
-        drafting = [("draft", draft), ("build", build)]
-        drafted = None
+        # host bound for the eager "sdpa" attention only (graphed rounds read every length on the device)
+        longest = None if graphed else max(r.committed for r in self.rows)
+        costs = self._round_costs(m, cap, graphed) if self.cost_model is not None else None
         # budget auto, graphed: after the first round, each round also picks the next round's tree size from
         # its own tree (on the device, read back with the tokens), so a round is one graph and one sync; the
         # choice is one round stale. The first round (and every eager round) drafts, reads b* back (a second
         # sync) and verifies that prefix.
-        ahead = graphed and self.cost_model is not None and self._next_budget is not None
-        costs = self._round_costs(m, cap, graphed) if self.cost_model is not None else None
+        ahead = graphed and costs is not None and self._next_budget is not None
         if ahead:
-            assert self._next_budget is not None and costs is not None
-            budget, next_costs = self._next_budget, costs
-            if self._live_n != n:
-                self._live.zero_()
-                self._live[:n] = True
-                self._live_n = n
-            live = self._live[:m]
-
-            def choose_next(s: _RoundState) -> None:
-                s.next_budget = choose_budget(s.trees.log_probs, next_costs, live)
-
-            drafting.append(("build", choose_next))
+            assert self._next_budget is not None
+            budget = self._next_budget
+            self._mark_live(n)
+            self._capture_tree_sizes(m, sampled)
+            s = self._run_stages(("round", m, budget, sampled, True),
+                                 self._round_stages(m, budget, sampled, True, longest), _RoundState())
         elif costs is not None:
-            drafted = self._run_stages(("draft", m), drafting, _RoundState())
+            drafted = self._run_stages(("draft", m), self._draft_stages(m, longest, choose_next=False), _RoundState())
             # the prefix of b* nodes (a valid tree: parents come first) with the most expected tokens per
             # second for the live rows; graphed, b* is one of the captured tree sizes
             budget = int(choose_budget(drafted.trees.log_probs[:n], costs))
-        # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
-        # themselves would read the device every round, so only the host-known cases skip the mask
-        chain = spec.algorithm is Algorithm.DFLASH or spec.topk == 1
-
-        # 3. compile: [bonus, nodes], positions start + depth, the ancestor-or-self mask (and its bits)
-        def compile_(s: _RoundState) -> None:
-            s.trees = truncate_trees(s.trees, budget) if budget < cap else s.trees
-            s.compiled = tree_ops.compile_trees(s.trees, self.bonus[:m], s.committed)
-
-        # 4. verify: one target forward over every tree; the target's token at every node
-        def verify(s: _RoundState) -> None:
-            c = s.compiled
-            logits, s.taps = eng.target.forward(
-                c.input_ids, c.position_ids, cache, None if chain else c.mask, eng.tap_layers,
-                kv_len_hint=None if graphed else longest + budget + 1, attention=self.attention,
-                tree_bitmask=None if chain else c.bitmask)
-            s.target_tokens = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], c.position_ids + 1, sampled)
-
-        # 5. walk: the nodes whose every ancestor matches the target's token; the deepest gives the bonus
-        def walk(s: _RoundState) -> None:
-            # from the compiled ancestor mask: one kernel on CUDA, a fixed 28 ops on the CPU (walking depth by
-            # depth is ~125 at L = 7)
-            accepted, s.accept_lens, s.new_bonus = tree_ops.follow_trees(s.trees, s.compiled, s.target_tokens)
-            # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
-            s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
-
-        # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
-        def compact(s: _RoundState) -> None:
-            # moves past a row's accepted length are no-ops, so the -1 padding needs no masking here
-            cache.compact(s.accepted, s.accept_lens)
-            # the path's tokens (column 0: the old bonus) for the host, its taps, positions and ring slots for the
-            # drafter, and the new bonus into self.bonus: one kernel on CUDA
-            path = gather_accepted(s.accepted, s.accept_lens, s.compiled.input_ids, s.new_bonus, s.taps,
-                                   s.committed, bonus_out=self.bonus[:m], ring=(ctx.total, ctx.capacity))
-            s.host = path.host
-            eng.drafter.append_context(ctx, path.taps, path.positions, s.accept_lens, slots=path.slots)
-
-        stages = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
-        if ahead:  # the next round's tree size rides along in the rows the host reads
-            def hand_on(s: _RoundState) -> None:
-                s.host = torch.cat([s.host, s.next_budget.expand(m, 1)], dim=1)
-
-            stages.append(("compact", hand_on))
-        if drafted is None:  # a fixed budget (or one chosen last round): the round is one graph, one launch
-            s = self._run_stages(("round", m, budget, sampled, ahead), drafting + stages, _RoundState())
-        else:
-            s = self._run_stages(("verify", m, budget, sampled), stages, drafted)
+            s = self._run_stages(("verify", m, budget, sampled),
+                                 self._verify_stages(m, budget, sampled, longest, hand_on=False), drafted)
+        else:  # a fixed budget: the round is one graph, one launch
+            budget = cap
+            s = self._run_stages(("round", m, budget, sampled, False),
+                                 self._round_stages(m, budget, sampled, False, longest), _RoundState())
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
@@ -592,6 +525,122 @@ class DecodeBatch:
             out.budgets = [budget]
             outputs.append(out)
         return outputs
+
+    def _round_stages(self, m: int, budget: int, sampled: bool, ahead: bool, longest: int | None) -> list[tuple[str, Stage]]:
+        """A whole round for m rows verifying `budget` nodes (ahead: also choosing the next round's size)."""
+        return (self._draft_stages(m, longest, choose_next=ahead)
+                + self._verify_stages(m, budget, sampled, longest, hand_on=ahead))
+
+    def _draft_stages(self, m: int, longest: int | None, choose_next: bool) -> list[tuple[str, Stage]]:
+        """Steps 1-2 for m rows: draft, build at the budget cap (and, choose_next, budget auto's next size)."""
+        eng, spec = self.engine, self.spec
+        cap = spec.budget_cap
+        cache, ctx = self._first_rows(m)
+        assert ctx is not None  # check_spec: speculation has a drafter
+
+        # 1. draft: [bonus, MASK...] at positions committed .. committed + block - 1
+        def draft(s: _RoundState) -> None:
+            # the cache's lengths are the committed lengths, on the device: no host-to-device copy per round
+            s.committed = cache.lengths.clone()  # [m]
+            block_ids = torch.cat([self.bonus[:m, None], self._masks[:m]], dim=1)  # [m, block]
+            # kernel attention: each row's stored context slots are read in place (their count on the
+            # device); "sdpa": at most min(longest context, window) slots, a host bound (ctx_len_hint)
+            s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=longest,
+                                                 attention=self.attention)  # [m, L, V]
+
+        # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
+        def build(s: _RoundState) -> None:
+            s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
+
+        stages: list[tuple[str, Stage]] = [("draft", draft), ("build", build)]
+        if choose_next:  # one launch on CUDA; reads the static cost tensor and live mask a capture holds on to
+            next_costs, live = self._round_costs(m, cap, graphed=True), self._live[:m]
+
+            def choose_next_budget(s: _RoundState) -> None:
+                s.next_budget = choose_budget(s.trees.log_probs, next_costs, live)
+
+            stages.append(("build", choose_next_budget))
+        return stages
+
+    def _verify_stages(self, m: int, budget: int, sampled: bool, longest: int | None,
+                       hand_on: bool) -> list[tuple[str, Stage]]:
+        """Steps 3-6 for m rows on the first `budget` nodes of the built trees (hand_on: the next round's
+        size, chosen in the draft stages, rides along in the rows the host reads)."""
+        eng, spec = self.engine, self.spec
+        cache, ctx = self._first_rows(m)
+        assert ctx is not None
+        # topk 1 always gives a chain (causal attention is then exact); deciding it from the trees
+        # themselves would read the device every round, so only the host-known cases skip the mask
+        chain = spec.algorithm is Algorithm.DFLASH or spec.topk == 1
+
+        # 3. compile: [bonus, nodes], positions start + depth, the ancestor-or-self mask (and its bits)
+        def compile_(s: _RoundState) -> None:
+            s.trees = truncate_trees(s.trees, budget) if budget < spec.budget_cap else s.trees
+            s.compiled = tree_ops.compile_trees(s.trees, self.bonus[:m], s.committed)
+
+        # 4. verify: one target forward over every tree; the target's token at every node
+        def verify(s: _RoundState) -> None:
+            c = s.compiled
+            logits, s.taps = eng.target.forward(
+                c.input_ids, c.position_ids, cache, None if chain else c.mask, eng.tap_layers,
+                kv_len_hint=None if longest is None else longest + budget + 1, attention=self.attention,
+                tree_bitmask=None if chain else c.bitmask)
+            s.target_tokens = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], c.position_ids + 1, sampled)
+
+        # 5. walk: the nodes whose every ancestor matches the target's token; the deepest gives the bonus
+        def walk(s: _RoundState) -> None:
+            # from the compiled ancestor mask: one kernel on CUDA, a fixed 28 ops on the CPU (walking depth by
+            # depth is ~125 at L = 7)
+            accepted, s.accept_lens, s.new_bonus = tree_ops.follow_trees(s.trees, s.compiled, s.target_tokens)
+            # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
+            s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
+
+        # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
+        def compact(s: _RoundState) -> None:
+            # moves past a row's accepted length are no-ops, so the -1 padding needs no masking here
+            cache.compact(s.accepted, s.accept_lens)
+            # the path's tokens (column 0: the old bonus) for the host, its taps, positions and ring slots for the
+            # drafter, and the new bonus into self.bonus: one kernel on CUDA
+            path = gather_accepted(s.accepted, s.accept_lens, s.compiled.input_ids, s.new_bonus, s.taps,
+                                   s.committed, bonus_out=self.bonus[:m], ring=(ctx.total, ctx.capacity))
+            s.host = path.host
+            eng.drafter.append_context(ctx, path.taps, path.positions, s.accept_lens, slots=path.slots)
+
+        stages: list[tuple[str, Stage]] = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
+        if hand_on:
+            def hand_on_budget(s: _RoundState) -> None:
+                s.host = torch.cat([s.host, s.next_budget.expand(m, 1)], dim=1)
+
+            stages.append(("compact", hand_on_budget))
+        return stages
+
+    def _mark_live(self, n: int) -> None:
+        """self._live[i] = i < n: the rows budget auto's captured choice counts (padding rows do not)."""
+        if self._live_n != n:
+            self._live.zero_()
+            self._live[:n] = True
+            self._live_n = n
+
+    def _capture_tree_sizes(self, m: int, sampled: bool) -> None:
+        """Capture budget auto's round for m rows at every tree size it may choose, the first time such rounds
+        run: a size chosen for the first time mid-run would stall that round on its capture (tens of ms, as
+        long as a hundred rounds). Each runs once here, and the batch's state is put back after each."""
+        if self.graphs is None or (m, sampled) in self._sizes_captured:
+            return
+        self._sizes_captured.add((m, sampled))
+        state = self._graph_state()
+        saved = [t.clone() for t in state]
+        timer, self.timer = self.timer, StageTimer(self.device, sync=self.timer.sync)  # not the batch's time
+        try:
+            for size in tree_sizes(self.spec.budget_cap):
+                try:
+                    self._run_stages(("round", m, size, sampled, True),
+                                     self._round_stages(m, size, sampled, True, None), _RoundState())
+                finally:  # each size runs from the batch's state: no row runs past its cache
+                    for t, s in zip(state, saved):
+                        t.copy_(s)
+        finally:
+            self.timer = timer
 
     # -- eager or graphed stages ---------------------------------------------------------------
     def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:

@@ -188,6 +188,11 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
         rounds = [k for k in graphs.keys if k[0] in ("round", "draft")]
         assert rounds[0][0] == "draft" and rounds[-1][0] == "round" and rounds[-1][4] is True
         assert b.budget_rounds > 1 and {k[2] for k in rounds if k[0] == "round"} <= set(tree_sizes(12))
+        # the first such round of a row bucket ran every tree size auto may choose (capturing them all up
+        # front), and put the batch back as it was: the tokens above are still AR's
+        for m in {k[1] for k in rounds if k[0] == "round"}:
+            assert {k[2] for k in rounds if k[0] == "round" and k[1] == m} == set(tree_sizes(12)), f"rows {m}"
+        assert b._sizes_captured == {(m, False) for m in {k[1] for k in rounds if k[0] == "round"}}
 
 
 def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int) -> list[int]:
