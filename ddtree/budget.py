@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ddtree.engine import Engine
 
 __all__ = [
+    "RoundCostCalibration",
     "VerifyCostModel",
     "choose_budget",
     "choose_budget_reference",
@@ -153,6 +154,50 @@ class VerifyCostModel:
         except (OSError, ValueError) as err:
             raise ConfigError(f"--speculative-ddtree-cost-profile: cannot read {str(path)!r}: {err}") from err
         return cls.from_dict(data, where=f"cost profile {str(path)!r}")
+
+
+# -- what rounds really take ---------------------------------------------------------------------
+class RoundCostCalibration:
+    """Budget auto's round costs corrected by what finished rounds took on the host's clock.
+
+    The table (VerifyCostModel) times a drafter forward and a verify alone; a round also compiles, walks,
+    compacts and hands its tokens back, and on a GPU its verify at a given tree size need not cost what an
+    isolated forward did (the fixture pair at batch 1: b4 -> b8 added ~0.05 ms in the table, ~0.15 ms to a
+    round). Each finished round reports its seconds for (rows, tree size): a running mean (EMA, weight
+    `alpha`) per pair. A size with at least `min_samples` rounds costs its mean; any other costs the
+    table's value plus the median (mean - table) gap of the measured sizes of that row count, i.e. the
+    table's slope, which tends to be optimistic: auto tries such a size when it looks worth it, and those
+    rounds measure it.
+    """
+
+    def __init__(self, alpha: float = 0.2, min_samples: int = 2) -> None:
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"alpha: {alpha} is out of range (allowed (0, 1])")
+        if min_samples < 1:
+            raise ConfigError(f"min_samples: {min_samples} is out of range (allowed >= 1)")
+        self.alpha, self.min_samples = alpha, min_samples
+        self._mean: dict[tuple[int, int], float] = {}
+        self._count: dict[tuple[int, int], int] = {}
+
+    def observe(self, rows: int, budget: int, seconds: float) -> None:
+        """A finished round of `rows` computed rows that verified `budget` nodes took `seconds`."""
+        key = (rows, budget)
+        n = self._count.get(key, 0)
+        old = self._mean.get(key, seconds)
+        self._mean[key] = seconds if n == 0 else old + self.alpha * (seconds - old)
+        self._count[key] = n + 1
+
+    def measured(self, rows: int) -> dict[int, float]:
+        """{tree size: mean seconds} of the sizes with at least min_samples rounds at this row count."""
+        return {b: t for (r, b), t in self._mean.items() if r == rows and self._count[(r, b)] >= self.min_samples}
+
+    def corrected(self, rows: int, table: Sequence[float]) -> list[float]:
+        """table[b - 1] = the table's seconds for tree size b -> the costs to choose with (same layout)."""
+        known = {b: t for b, t in self.measured(rows).items() if b <= len(table)}
+        if not known:
+            return list(table)
+        gap = statistics.median(t - table[b - 1] for b, t in known.items())
+        return [known.get(b, table[b - 1] + gap) for b in range(1, len(table) + 1)]
 
 
 # -- the per-round choice ------------------------------------------------------------------------

@@ -32,7 +32,15 @@ from typing import cast
 
 import torch
 
-from ddtree.budget import VerifyCostModel, choose_budget, default_node_counts, default_row_counts, measure_verify_cost, truncate_trees
+from ddtree.budget import (
+    RoundCostCalibration,
+    VerifyCostModel,
+    choose_budget,
+    default_node_counts,
+    default_row_counts,
+    measure_verify_cost,
+    truncate_trees,
+)
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import GraphCache, row_bucket, tree_sizes
 from ddtree.errors import ConfigError, RequestError
@@ -47,6 +55,7 @@ from ddtree.tree import CompiledTrees, DraftTrees
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
+CALIBRATE_EVERY = 8  # budget auto rewrites its round costs from measured rounds this often
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
 # A graphed batch prefills a lone request of up to this many tokens by replaying a graph (per power-of-two
@@ -260,9 +269,12 @@ class DecodeBatch:
         self._live_n = 0
         self._sizes_captured: set[tuple[int, bool]] = set()  # (rows, sampled) whose every tree size is captured
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
+        self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
+        self._calibrated_rounds = 0
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
+        self.calibration = RoundCostCalibration() if spec.auto_budget else None  # what rounds really take
         self.last_budget: int | None = None  # the latest round's tree size, for /server_info
         self.budget_rounds = 0
         self.budget_total = 0
@@ -476,6 +488,7 @@ class DecodeBatch:
         m = self._padded_rows(n)
         graphed = self.graphs is not None
         sampled = self._any_sampled()
+        started, captures = time.perf_counter(), (self.graphs.captures if self.graphs is not None else 0)
         # host bound for the eager "sdpa" attention only (graphed rounds read every length on the device)
         longest = None if graphed else max(r.committed for r in self.rows)
         costs = self._round_costs(m, cap, graphed) if self.cost_model is not None else None
@@ -510,6 +523,11 @@ class DecodeBatch:
             host = [row[:-1] for row in host]
         elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
             self._next_budget = budget
+        # budget auto learns what rounds take: a graphed round that captured nothing, past the first (which
+        # reads b* back with a second sync), or any eager round
+        if self.calibration is not None and (ahead or not graphed) and (
+                self.graphs is None or self.graphs.captures == captures):
+            self._calibrate(m, cap, budget, time.perf_counter() - started)
         self.timer.stop()
         self._clear_padding(n, m)
         self.last_budget = budget
@@ -663,14 +681,34 @@ class DecodeBatch:
 
     def _round_costs(self, m: int, cap: int, graphed: bool) -> torch.Tensor:
         """Budget auto's [cap] round costs for m computed rows; graphed, +inf on sizes with no graph (one
-        static tensor per (m, cap): a captured choice reads it in place)."""
+        static tensor per (m, cap): a captured choice reads it in place, and calibration rewrites it)."""
         assert self.cost_model is not None
-        costs = self.cost_model.round_costs(m, cap, self.device)
-        if not graphed:
-            return costs
         if (m, cap) not in self._auto_costs:
-            self._auto_costs[(m, cap)] = costs + self._non_bucket_penalty(cap)
+            costs = self.cost_model.round_costs(m, cap, self.device).clone()
+            self._auto_costs[(m, cap)] = costs + self._non_bucket_penalty(cap) if graphed else costs
         return self._auto_costs[(m, cap)]
+
+    def _calibrate(self, m: int, cap: int, budget: int, seconds: float) -> None:
+        """Record a round's seconds; every CALIBRATE_EVERY rounds, rewrite the costs auto chooses with (an
+        asynchronous copy from pinned memory on a GPU: no sync; the next round reads it in stream order)."""
+        assert self.calibration is not None and self.cost_model is not None
+        self.calibration.observe(m, budget, seconds)
+        self._calibrated_rounds += 1
+        if self._calibrated_rounds % CALIBRATE_EVERY:
+            return
+        table = self.cost_model.round_costs(m, cap, "cpu").tolist()
+        values = torch.tensor(self.calibration.corrected(m, table), dtype=torch.float32)
+        if self.graphs is not None:
+            values[[b - 1 for b in range(1, cap + 1) if b not in set(tree_sizes(cap))]] = float("inf")
+        costs = self._round_costs(m, cap, self.graphs is not None)
+        if costs.device.type == "cpu":
+            costs.copy_(values)
+            return
+        staging = self._pinned.get((m, cap))
+        if staging is None:
+            staging = self._pinned[(m, cap)] = torch.empty(cap, dtype=torch.float32, pin_memory=True)
+        staging.copy_(values)  # the last copy from it finished: every round since ended in a sync
+        costs.copy_(staging, non_blocking=True)
 
     def _non_bucket_penalty(self, cap: int) -> torch.Tensor:
         """+inf on the tree sizes that have no captured verify (budget auto picks among tree_sizes(cap))."""

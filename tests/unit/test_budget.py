@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree.budget import (
+    RoundCostCalibration,
     VerifyCostModel,
     choose_budget,
     default_node_counts,
@@ -208,3 +209,30 @@ def test_auto_config_fields_and_flags() -> None:
 def test_bad_auto_configs_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SpecConfig(**kwargs)
+
+
+def test_calibration_means_gaps_and_sample_floor() -> None:
+    """Measured sizes (>= min_samples rounds) cost their EMA; the others the table plus the median gap."""
+    cal = RoundCostCalibration(alpha=0.5, min_samples=2)
+    table = [1.0, 1.1, 1.2, 1.3]
+    assert cal.corrected(1, table) == table  # nothing measured: the table
+    cal.observe(1, 2, 2.0)
+    assert cal.measured(1) == {} and cal.corrected(1, table) == table  # one round is not enough
+    cal.observe(1, 2, 3.0)  # EMA: 2.0 + 0.5 * (3.0 - 2.0)
+    cal.observe(4, 2, 9.0)  # another row count: kept apart
+    cal.observe(4, 2, 9.0)
+    assert cal.measured(1) == {2: pytest.approx(2.5)} and cal.measured(4) == {2: pytest.approx(9.0)}
+    gap = 2.5 - 1.1
+    assert cal.corrected(1, table) == pytest.approx([1.0 + gap, 2.5, 1.2 + gap, 1.3 + gap])
+    cal.observe(1, 4, 1.5)
+    cal.observe(1, 4, 1.5)  # a second measured size: the median gap of the two
+    gap = ((2.5 - 1.1) + (1.5 - 1.3)) / 2
+    assert cal.corrected(1, table) == pytest.approx([1.0 + gap, 2.5, 1.2 + gap, 1.5])
+    assert cal.corrected(1, table[:3]) == pytest.approx([1.0 + 1.4, 2.5, 1.2 + 1.4])  # sizes past the table: ignored
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"alpha": 0.0}, r"alpha: 0.0 is out of range"),
+                                                 ({"min_samples": 0}, r"min_samples: 0 is out of range")])
+def test_calibration_rejects_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RoundCostCalibration(**kwargs)

@@ -13,7 +13,7 @@ import torch
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
-from ddtree.engine import DecodeBatch, Engine, Request
+from ddtree.engine import CALIBRATE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels.tree_attention import triton_available
 from tests.unit.test_engine import AR, make_engine, prompts
@@ -164,6 +164,7 @@ class _EagerGraphs:
 
     def __init__(self) -> None:
         self.keys: list[tuple] = []
+        self.captures = 0  # nothing is ever captured: every round counts for budget auto's calibration
 
     def run(self, key: tuple, fn, state=()):  # noqa: ANN001, ANN201 - GraphCache.run's signature
         self.keys.append(key)
@@ -193,12 +194,41 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
         for m in {k[1] for k in rounds if k[0] == "round"}:
             assert {k[2] for k in rounds if k[0] == "round" and k[1] == m} == set(tree_sizes(12)), f"rows {m}"
         assert b._sizes_captured == {(m, False) for m in {k[1] for k in rounds if k[0] == "round"}}
+        # the rounds after the first were timed, and every CALIBRATE_EVERY of them rewrote the costs the captured
+        # choice reads: measured sizes at their mean, off-graph sizes still +inf
+        assert b.calibration is not None and b._calibrated_rounds == b.budget_rounds - 1 >= CALIBRATE_EVERY
+        rewritten = 0
+        for (m, cap), costs in b._auto_costs.items():
+            table = b.cost_model.round_costs(m, cap, "cpu")
+            on_graph = [size - 1 for size in tree_sizes(cap)]
+            off_graph = [i for i in range(cap) if i not in on_graph]
+            assert torch.isinf(costs[off_graph]).all()
+            rewritten += not torch.equal(costs[on_graph], table[on_graph])
+        assert rewritten, "no round cost was rewritten from measured rounds"
 
 
-def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int) -> list[int]:
+def test_auto_budget_costs_follow_measured_rounds(sdpa_engine: Engine) -> None:
+    """Every CALIBRATE_EVERY timed rounds the costs auto chooses with become the measured means (other sizes:
+    the table plus the measured gap), in place: a captured choice reads the same tensor."""
+    b = sdpa_engine.open_batch(SpecConfig(budget="auto", max_budget=8, topk=3, block_size=6), max_batch=2, max_len=64)
+    assert b.calibration is not None and b.cost_model is not None
+    costs = b._round_costs(2, 8, graphed=False)
+    table = b.cost_model.round_costs(2, 8, "cpu").tolist()
+    for i in range(CALIBRATE_EVERY - 1):
+        b._calibrate(2, 8, budget=4 if i % 2 else 6, seconds=0.5 if i % 2 else 0.9)
+    assert costs.tolist() == pytest.approx(table), "rewritten before CALIBRATE_EVERY rounds"
+    b._calibrate(2, 8, budget=4, seconds=0.5)
+    assert b._round_costs(2, 8, graphed=False) is costs  # the same tensor, rewritten in place
+    gap = ((0.5 - table[3]) + (0.9 - table[5])) / 2
+    want = [table[i] + gap for i in range(8)]
+    want[3], want[5] = 0.5, 0.9
+    assert costs.tolist() == pytest.approx(want)
+
+
+def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int, rounds: int = 3) -> list[int]:
     batch = engine.open_batch(spec, max_batch=rows, max_len=256)
     batch.add_many([Request(str(i), p, 100) for i, p in enumerate(prompts(rows, seed=2))])
-    return round_syncs(batch, rounds=3, warmup_rounds=3)  # the warm-up rounds capture every graph
+    return round_syncs(batch, rounds=rounds, warmup_rounds=3)  # the warm-up rounds capture every graph
 
 
 @pytest.mark.gpu
@@ -211,9 +241,11 @@ def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int) -> list[int]:
     pytest.param(SpecConfig(budget="auto", max_budget=16, topk=4, block_size=8), 1, id="bauto16-k4"),
 ])
 def test_graphed_round_syncs_only_to_hand_back_tokens(spec: SpecConfig, syncs: int) -> None:
-    """At batch 32 a graphed round waits on the device only for the tokens."""
+    """At batch 32 a graphed round waits on the device only for the tokens (budget auto: also in the round
+    that rewrites its costs from measured rounds, an asynchronous copy)."""
     engine = _cuda_engine(True)
-    assert _syncs_per_round(engine, spec, rows=32) == [syncs] * 3
+    rounds = CALIBRATE_EVERY + 1 if spec.auto_budget else 3
+    assert _syncs_per_round(engine, spec, rows=32, rounds=rounds) == [syncs] * rounds
 
 
 def test_trees_wider_than_the_kernel_fall_back_to_sdpa(sdpa_engine: Engine) -> None:
