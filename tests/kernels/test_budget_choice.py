@@ -19,7 +19,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 from ddtree.budget import choose_budget, choose_budget_reference
 from ddtree.kernels.budget_choice import choose_budget_triton
-from tests.kernels.kernel_asserts import interpreter_off_but_installed, run_triton_cases_in_child, triton_runtime
+from tests.kernels.kernel_asserts import assert_close, interpreter_off_but_installed, run_triton_cases_in_child, triton_runtime
 
 pytestmark = pytest.mark.kernels
 
@@ -83,6 +83,41 @@ def test_triton_ties_go_to_the_smaller_budget_and_views_work() -> None:
     wide = torch.cat([log_probs, log_probs], dim=1)[:, :12]  # row stride 24
     assert int(choose_budget_triton(wide, costs)) == int(choose_budget_triton(log_probs.contiguous(), costs))
     assert int(choose_budget(log_probs, costs, backend="triton")) == int(choose_budget_triton(log_probs, costs))
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [(1, 32, None, True), (5, 12, [1, 0, 1, 1, 0], False)], ids=["rows1-b32", "rows5-b12"])
+def test_triton_running_mean_follows_the_reference(case: tuple) -> None:
+    """Over several rounds the kernel's running mean of per-row gains tracks the reference's (float32 sums in
+    another order), and each round's b* is the best of the smoothed ratios."""
+    got_buf = torch.full((case[1],), -1.0, device=DEVICE)
+    want_buf = got_buf.clone()
+    for seed in range(6):
+        log_probs, costs, live = make_inputs(*case, seed=seed)
+        got = choose_budget_triton(log_probs, costs, live, smoothed=got_buf, alpha=0.3)
+        want = choose_budget_reference(log_probs, costs, live, smoothed=want_buf, alpha=0.3)
+        assert_close(got_buf, want_buf, what=f"running mean after round {seed}")
+        r = (1.0 + want_buf.double().cpu()) / costs.double().cpu()
+        assert float(r[int(got) - 1]) >= float(r.max()) * (1 - 1e-5), f"round {seed}: b* {int(got)} vs {int(want)}"
+
+
+def test_reference_running_mean_starts_updates_and_skips_empty_batches() -> None:
+    """The first round's per-row gains seed the mean, later ones move it by alpha, a round with no live row
+    leaves it; the choice is the best (1 + mean) / cost."""
+    buf = torch.full((3,), -1.0)
+    one = torch.tensor([[0.0, float("-inf"), float("-inf")], [0.0, 0.0, 0.0]])  # per-row gains [1, 1.5, 2]
+    costs = torch.tensor([1.0, 1.2, 2.0])
+    b = choose_budget_reference(one, costs, smoothed=buf, alpha=0.5)
+    assert buf.tolist() == pytest.approx([1.0, 1.5, 2.0]) and int(b) == 2  # 2/1, 2.5/1.2, 3/2
+    zero = torch.full((2, 3), float("-inf"))
+    choose_budget_reference(zero, costs, smoothed=buf, alpha=0.5)  # gains 0: halfway down
+    assert buf.tolist() == pytest.approx([0.5, 0.75, 1.0])
+    choose_budget_reference(one, costs, torch.tensor([False, False]), smoothed=buf, alpha=0.5)
+    assert buf.tolist() == pytest.approx([0.5, 0.75, 1.0])  # no live row: nothing learned
+    with pytest.raises(ValueError, match=r"alpha 0 is out of range"):
+        choose_budget(one, costs, smoothed=buf, alpha=0)
+    with pytest.raises(ValueError, match=r"smoothed must be \[B=3\] contiguous float32"):
+        choose_budget(one, costs, smoothed=torch.zeros(4))
 
 
 def test_reference_counts_live_rows_only() -> None:
