@@ -71,11 +71,13 @@ class GraphCache:
         return len(self._graphs)
 
     def run(self, key: Hashable, fn: Callable[[], Any], state: Sequence[torch.Tensor] = ()) -> Any:
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(fn, state)
-            self._graphs[key] = entry
-        graph, outputs = entry
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(fn, state)
+        return self.replay(key)
+
+    def replay(self, key: Hashable) -> Any:
+        """Replay the graph captured under `key` (KeyError if there is none); its outputs."""
+        graph, outputs = self._graphs[key]
         graph.replay()
         self.replays += 1
         return outputs

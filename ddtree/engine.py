@@ -23,6 +23,7 @@ eagerly on ddtree.tree's torch code. Either way the tokens committed are the tar
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import time
 from collections import Counter
@@ -51,6 +52,8 @@ from ddtree.models.dflash import DraftContext
 from ddtree.models.kv_cache import KVCache
 from ddtree.sampling import choose_tokens_no_sync
 from ddtree.tree import CompiledTrees, DraftTrees
+
+log = logging.getLogger("ddtree.engine")
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
@@ -268,6 +271,7 @@ class DecodeBatch:
         self._live = torch.zeros(max_batch, dtype=torch.bool, device=self.device)  # rows < n (not padding)
         self._live_n = 0
         self._sizes_captured: set[tuple[int, bool]] = set()  # (rows, sampled) whose every tree size is captured
+        self._graph_heads: dict[tuple, str] = {}  # a captured round's first stage (the timer's name for it)
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
         self._calibrated_rounds = 0
@@ -275,6 +279,8 @@ class DecodeBatch:
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
         self.calibration = RoundCostCalibration() if spec.auto_budget else None  # what rounds really take
+        # graphed budget auto chooses from a running mean of per-row gains (ddtree.budget.choose_budget)
+        self._gains = torch.full((spec.budget_cap,), -1.0, device=self.device) if spec.auto_budget else None
         self.last_budget: int | None = None  # the latest round's tree size, for /server_info
         self.budget_rounds = 0
         self.budget_total = 0
@@ -473,7 +479,7 @@ class DecodeBatch:
             cache.advance(torch.ones(m, dtype=torch.long, device=self.device))
             self.bonus[:m] = s.next
 
-        s = self._run_stages(("ar", m, sampled), [("verify", verify), ("walk", walk)], _RoundState())
+        s = self._run_stages(("ar", m, sampled), lambda: [("verify", verify), ("walk", walk)], _RoundState())
         tokens = s.next[:n].tolist()  # the one sync: hand the tokens back
         self.timer.stop()
         self._clear_padding(n, m)
@@ -503,18 +509,19 @@ class DecodeBatch:
             self._mark_live(n)
             self._capture_tree_sizes(m, sampled)
             s = self._run_stages(("round", m, budget, sampled, True),
-                                 self._round_stages(m, budget, sampled, True, longest), _RoundState())
+                                 functools.partial(self._round_stages, m, budget, sampled, True, longest), _RoundState())
         elif costs is not None:
-            drafted = self._run_stages(("draft", m), self._draft_stages(m, longest, choose_next=False), _RoundState())
+            drafted = self._run_stages(("draft", m), functools.partial(self._draft_stages, m, longest, False),
+                                       _RoundState())
             # the prefix of b* nodes (a valid tree: parents come first) with the most expected tokens per
             # second for the live rows; graphed, b* is one of the captured tree sizes
             budget = int(choose_budget(drafted.trees.log_probs[:n], costs))
             s = self._run_stages(("verify", m, budget, sampled),
-                                 self._verify_stages(m, budget, sampled, longest, hand_on=False), drafted)
+                                 functools.partial(self._verify_stages, m, budget, sampled, longest, False), drafted)
         else:  # a fixed budget: the round is one graph, one launch
             budget = cap
             s = self._run_stages(("round", m, budget, sampled, False),
-                                 self._round_stages(m, budget, sampled, False, longest), _RoundState())
+                                 functools.partial(self._round_stages, m, budget, sampled, False, longest), _RoundState())
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
@@ -575,7 +582,7 @@ class DecodeBatch:
             next_costs, live = self._round_costs(m, cap, graphed=True), self._live[:m]
 
             def choose_next_budget(s: _RoundState) -> None:
-                s.next_budget = choose_budget(s.trees.log_probs, next_costs, live)
+                s.next_budget = choose_budget(s.trees.log_probs, next_costs, live, smoothed=self._gains)
 
             stages.append(("build", choose_next_budget))
         return stages
@@ -640,25 +647,33 @@ class DecodeBatch:
             self._live_n = n
 
     def _capture_tree_sizes(self, m: int, sampled: bool) -> None:
-        """Capture budget auto's round for m rows at every tree size it may choose, the first time such rounds
-        run: a size chosen for the first time mid-run would stall that round on its capture (tens of ms, as
-        long as a hundred rounds). Each runs once here, and the batch's state is put back after each."""
-        if self.graphs is None or (m, sampled) in self._sizes_captured:
+        """Capture budget auto's round at every tree size it may choose, for m rows and every row bucket below
+        (a batch shrinks as its requests finish), the first time such rounds run: a size or bucket met for
+        the first time mid-run would stall that round on its capture (~15 ms on the H200, tens of rounds).
+        Each runs once here, and the batch's state is put back after each."""
+        buckets = [b for b in sorted({row_bucket(r, self.max_batch) for r in range(1, m + 1)})
+                   if (b, sampled) not in self._sizes_captured]
+        if self.graphs is None or not buckets:
             return
-        self._sizes_captured.add((m, sampled))
         state = self._graph_state()
         saved = [t.clone() for t in state]
         timer, self.timer = self.timer, StageTimer(self.device, sync=self.timer.sync)  # not the batch's time
+        started = time.perf_counter()
         try:
-            for size in tree_sizes(self.spec.budget_cap):
-                try:
-                    self._run_stages(("round", m, size, sampled, True),
-                                     self._round_stages(m, size, sampled, True, None), _RoundState())
-                finally:  # each size runs from the batch's state: no row runs past its cache
-                    for t, s in zip(state, saved):
-                        t.copy_(s)
+            for rows in buckets:
+                for size in tree_sizes(self.spec.budget_cap):
+                    try:
+                        self._run_stages(("round", rows, size, sampled, True),
+                                         functools.partial(self._round_stages, rows, size, sampled, True, None),
+                                         _RoundState())
+                    finally:  # each runs from the batch's state: no row runs past its cache
+                        for t, s in zip(state, saved):
+                            t.copy_(s)
+                self._sizes_captured.add((rows, sampled))
         finally:
             self.timer = timer
+        log.debug("budget auto: captured %d tree sizes for row buckets %s in %.2f s",
+                  len(tree_sizes(self.spec.budget_cap)), buckets, time.perf_counter() - started)
 
     # -- eager or graphed stages ---------------------------------------------------------------
     def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:
@@ -697,9 +712,11 @@ class DecodeBatch:
         if self._calibrated_rounds % CALIBRATE_EVERY:
             return
         table = self.cost_model.round_costs(m, cap, "cpu").tolist()
-        values = torch.tensor(self.calibration.corrected(m, table), dtype=torch.float32)
-        if self.graphs is not None:
-            values[[b - 1 for b in range(1, cap + 1) if b not in set(tree_sizes(cap))]] = float("inf")
+        corrected = self.calibration.corrected(m, table)
+        if self.graphs is not None:  # sizes with no graph stay out of reach
+            on_graph = set(tree_sizes(cap))
+            corrected = [t if b in on_graph else float("inf") for b, t in enumerate(corrected, start=1)]
+        values = torch.tensor(corrected, dtype=torch.float32)
         costs = self._round_costs(m, cap, self.graphs is not None)
         if costs.device.type == "cpu":
             costs.copy_(values)
@@ -724,26 +741,35 @@ class DecodeBatch:
         state = [self.cache.lengths, self.bonus]
         if self.ctx is not None:
             state += [self.ctx.total, self.ctx.k, self.ctx.v]
+        if self._gains is not None:
+            state.append(self._gains)
         return state
 
-    def _run_stages(self, key: tuple, stages: Sequence[tuple[str, Stage]], prev: _RoundState) -> _RoundState:
-        """Run `stages` on a copy of `prev`: eagerly, or as one captured graph per key (one per stage
-        when profiling, so each stage's device time can be read between them)."""
-        t = self.timer
-        if self.graphs is None:
+    def _run_stages(self, key: tuple, make_stages: Callable[[], Sequence[tuple[str, Stage]]],
+                    prev: _RoundState) -> _RoundState:
+        """Run the stages `make_stages()` returns on a copy of `prev`: eagerly, or as one captured graph per key
+        (one per stage when profiling, so each stage's device time can be read between them). A graph that is
+        captured already replays without the stages being built (their closures are host time every round)."""
+        t, graphs = self.timer, self.graphs
+        if graphs is None:
             s = prev.copy()
-            for name, fn in stages:
+            for name, fn in make_stages():
                 t.start(name)
                 fn(s)
             return s
         if t.sync:
             s = prev
-            for i, (name, fn) in enumerate(stages):
+            for i, (name, fn) in enumerate(make_stages()):
                 t.start(name)
-                s = self.graphs.run(key + (i,), functools.partial(_apply, s, [fn]), self._graph_state())
+                s = graphs.run(key + (i,), functools.partial(_apply, s, [fn]), self._graph_state())
             return s
-        t.start(stages[0][0])  # the whole graph is timed (as enqueued) under its first stage
-        return self.graphs.run(key, functools.partial(_apply, prev, [fn for _, fn in stages]), self._graph_state())
+        if key in graphs:
+            t.start(self._graph_heads[key])  # the whole graph is timed (as enqueued) under its first stage
+            return graphs.replay(key)
+        stages = make_stages()
+        self._graph_heads[key] = stages[0][0]
+        t.start(stages[0][0])
+        return graphs.run(key, functools.partial(_apply, prev, [fn for _, fn in stages]), self._graph_state())
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _any_sampled(self) -> bool:
