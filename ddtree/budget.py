@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -162,16 +163,16 @@ class VerifyCostModel:
 
 # -- what rounds really take ---------------------------------------------------------------------
 class RoundCostCalibration:
-    """Budget auto's round costs corrected by what finished rounds took on the host's clock.
+    """Budget auto's round costs moved by what finished rounds took on the host's clock.
 
-    The table (VerifyCostModel) times a drafter forward and a verify alone; a round also compiles, walks,
-    compacts and hands its tokens back, and on a GPU its verify at a given tree size need not cost what an
-    isolated forward did (the fixture pair at batch 1: b4 -> b8 added ~0.05 ms in the table, ~0.15 ms to a
-    round). Each finished round reports its seconds for (rows, tree size): a running mean (EMA, weight
-    `alpha`) per pair. A size with at least `min_samples` rounds costs its mean; any other costs the
-    table's value plus the median (mean - table) gap of the measured sizes of that row count, i.e. the
-    table's slope, which tends to be optimistic: auto tries such a size when it looks worth it, and those
-    rounds measure it.
+    Each finished round reports its seconds for (rows, tree size): a running mean (EMA, weight `alpha`) per
+    pair. The costs to choose with are the table's, every size shifted by the same amount: the median
+    (mean - table) gap of the sizes with at least `min_samples` rounds at that row count. The shift is what
+    the table leaves out for every size alike (the host's part of a round, a longer context than it was
+    timed at); the differences between sizes stay the table's, so the table must carry them (a graphed
+    batch times every captured round in place, DecodeBatch._capture_tree_sizes). Taking the measured mean
+    for the sizes that ran and the table for the rest instead held auto on its first choice whenever the
+    table's slope was too flat: the rounds never ran the size that would have measured better.
     """
 
     def __init__(self, alpha: float = 0.2, min_samples: int = 2) -> None:
@@ -197,11 +198,11 @@ class RoundCostCalibration:
 
     def corrected(self, rows: int, table: Sequence[float]) -> list[float]:
         """table[b - 1] = the table's seconds for tree size b -> the costs to choose with (same layout)."""
-        known = {b: t for b, t in self.measured(rows).items() if b <= len(table)}
+        known = {b: t for b, t in self.measured(rows).items() if b <= len(table) and math.isfinite(table[b - 1])}
         if not known:
             return list(table)
         gap = statistics.median(t - table[b - 1] for b, t in known.items())
-        return [known.get(b, table[b - 1] + gap) for b in range(1, len(table) + 1)]
+        return [t + gap for t in table]
 
 
 # -- the per-round choice ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ log = logging.getLogger("ddtree.engine")
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
+ROUND_TIMING_REPEATS = 3  # replays timed per captured auto round (median): its cost table
 CALIBRATE_EVERY = 8  # budget auto rewrites its round costs from measured rounds this often
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
@@ -272,6 +274,7 @@ class DecodeBatch:
         self._live_n = 0
         self._sizes_captured: set[tuple[int, bool]] = set()  # (rows, sampled) whose every tree size is captured
         self._graph_heads: dict[tuple, str] = {}  # a captured round's first stage (the timer's name for it)
+        self._round_tables: dict[tuple[int, int], list[float]] = {}  # (rows, cap): seconds per tree size, timed
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
         self._calibrated_rounds = 0
@@ -658,22 +661,42 @@ class DecodeBatch:
         state = self._graph_state()
         saved = [t.clone() for t in state]
         timer, self.timer = self.timer, StageTimer(self.device, sync=self.timer.sync)  # not the batch's time
-        started = time.perf_counter()
+        started, cap = time.perf_counter(), self.spec.budget_cap
         try:
             for rows in buckets:
-                for size in tree_sizes(self.spec.budget_cap):
+                seconds = [float("inf")] * cap  # sizes with no graph stay out of reach
+                for size in tree_sizes(cap):
+                    key = ("round", rows, size, sampled, True)
                     try:
-                        self._run_stages(("round", rows, size, sampled, True),
-                                         functools.partial(self._round_stages, rows, size, sampled, True, None),
+                        self._run_stages(key, functools.partial(self._round_stages, rows, size, sampled, True, None),
                                          _RoundState())
+                        if not self.timer.sync:  # profiling graphs each stage apart: keep the model's table
+                            seconds[size - 1] = self._time_replays(key, state, saved)
                     finally:  # each runs from the batch's state: no row runs past its cache
                         for t, s in zip(state, saved):
                             t.copy_(s)
+                if not self.timer.sync:
+                    self._round_tables[(rows, cap)] = seconds
+                    self._round_costs(rows, cap, graphed=True).copy_(torch.tensor(seconds, dtype=torch.float32))
                 self._sizes_captured.add((rows, sampled))
         finally:
             self.timer = timer
         log.debug("budget auto: captured %d tree sizes for row buckets %s in %.2f s",
                   len(tree_sizes(self.spec.budget_cap)), buckets, time.perf_counter() - started)
+
+    def _time_replays(self, key: tuple, state: list[torch.Tensor], saved: list[torch.Tensor]) -> float:
+        """Median seconds of ROUND_TIMING_REPEATS replays of a captured round, each from the saved state."""
+        assert self.graphs is not None
+        times = []
+        for _ in range(ROUND_TIMING_REPEATS):
+            for t, s in zip(state, saved):
+                t.copy_(s)
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            self.graphs.replay(key)
+            torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     # -- eager or graphed stages ---------------------------------------------------------------
     def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:
@@ -711,12 +734,13 @@ class DecodeBatch:
         self._calibrated_rounds += 1
         if self._calibrated_rounds % CALIBRATE_EVERY:
             return
-        table = self.cost_model.round_costs(m, cap, "cpu").tolist()
-        corrected = self.calibration.corrected(m, table)
-        if self.graphs is not None:  # sizes with no graph stay out of reach
-            on_graph = set(tree_sizes(cap))
-            corrected = [t if b in on_graph else float("inf") for b, t in enumerate(corrected, start=1)]
-        values = torch.tensor(corrected, dtype=torch.float32)
+        table = self._round_tables.get((m, cap))  # the captured rounds' own times, else the model's
+        if table is None:
+            table = self.cost_model.round_costs(m, cap, "cpu").tolist()
+            if self.graphs is not None:  # sizes with no graph stay out of reach
+                on_graph = set(tree_sizes(cap))
+                table = [t if b in on_graph else float("inf") for b, t in enumerate(table, start=1)]
+        values = torch.tensor(self.calibration.corrected(m, table), dtype=torch.float32)
         costs = self._round_costs(m, cap, self.graphs is not None)
         if costs.device.type == "cpu":
             costs.copy_(values)

@@ -211,8 +211,9 @@ def test_bad_auto_configs_name_the_field(kwargs: dict, message: str) -> None:
         SpecConfig(**kwargs)
 
 
-def test_calibration_means_gaps_and_sample_floor() -> None:
-    """Measured sizes (>= min_samples rounds) cost their EMA; the others the table plus the median gap."""
+def test_calibration_shifts_every_size_by_the_median_gap() -> None:
+    """Every size moves by the median (EMA - table) gap of the sizes with >= min_samples rounds: the
+    differences between sizes stay the table's (a size that ran is not held at its own mean)."""
     cal = RoundCostCalibration(alpha=0.5, min_samples=2)
     table = [1.0, 1.1, 1.2, 1.3]
     assert cal.corrected(1, table) == table  # nothing measured: the table
@@ -223,12 +224,14 @@ def test_calibration_means_gaps_and_sample_floor() -> None:
     cal.observe(4, 2, 9.0)
     assert cal.measured(1) == {2: pytest.approx(2.5)} and cal.measured(4) == {2: pytest.approx(9.0)}
     gap = 2.5 - 1.1
-    assert cal.corrected(1, table) == pytest.approx([1.0 + gap, 2.5, 1.2 + gap, 1.3 + gap])
+    assert cal.corrected(1, table) == pytest.approx([t + gap for t in table])
     cal.observe(1, 4, 1.5)
     cal.observe(1, 4, 1.5)  # a second measured size: the median gap of the two
     gap = ((2.5 - 1.1) + (1.5 - 1.3)) / 2
-    assert cal.corrected(1, table) == pytest.approx([1.0 + gap, 2.5, 1.2 + gap, 1.5])
-    assert cal.corrected(1, table[:3]) == pytest.approx([1.0 + 1.4, 2.5, 1.2 + 1.4])  # sizes past the table: ignored
+    assert cal.corrected(1, table) == pytest.approx([t + gap for t in table])
+    assert cal.corrected(1, table[:3]) == pytest.approx([t + 1.4 for t in table[:3]])  # sizes past the table: ignored
+    inf = float("inf")
+    assert cal.corrected(1, [1.0, inf, 1.2, 1.3])[1] == inf  # a size with no graph stays out of reach
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"alpha": 0.0}, r"alpha: 0.0 is out of range"),
