@@ -528,9 +528,9 @@ class DecodeBatch:
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
-        if ahead:  # strip the ride-along column: next round's tree size
-            self._next_budget = host[0][-1]
-            host = [row[:-1] for row in host]
+        tail = 0  # columns after the accepted length: next round's tree size when it rides along
+        if ahead:
+            self._next_budget, tail = host[0][-1], 1
         elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
             self._next_budget = budget
         # budget auto learns what rounds take: a graphed round that captured nothing, past the first (which
@@ -545,7 +545,7 @@ class DecodeBatch:
         self.budget_total += budget
         outputs = []
         for slot, row in enumerate(self.rows):
-            k = host[slot][-1]
+            k = host[slot][-1 - tail]
             new_tokens = host[slot][1:k] + [host[slot][width]]  # accepted drafts, then the bonus
             row.committed += k
             row.verify_steps += 1
@@ -654,10 +654,10 @@ class DecodeBatch:
         (a batch shrinks as its requests finish), the first time such rounds run: a size or bucket met for
         the first time mid-run would stall that round on its capture (~15 ms on the H200, tens of rounds).
         Each runs once here, and the batch's state is put back after each."""
+        if self.graphs is None or (m, sampled) in self._sizes_captured:  # and so every bucket below it
+            return
         buckets = [b for b in sorted({row_bucket(r, self.max_batch) for r in range(1, m + 1)})
                    if (b, sampled) not in self._sizes_captured]
-        if self.graphs is None or not buckets:
-            return
         state = self._graph_state()
         saved = [t.clone() for t in state]
         timer, self.timer = self.timer, StageTimer(self.device, sync=self.timer.sync)  # not the batch's time
