@@ -533,12 +533,12 @@ class DecodeBatch:
             self._next_budget, tail = host[0][-1], 1
         elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
             self._next_budget = budget
+        self.timer.stop()  # the calibration's host time is no stage's
         # budget auto learns what rounds take: a graphed round that captured nothing, past the first (which
         # reads b* back with a second sync), or any eager round
         if self.calibration is not None and (ahead or not graphed) and (
                 self.graphs is None or self.graphs.captures == captures):
             self._calibrate(m, cap, budget, time.perf_counter() - started)
-        self.timer.stop()
         self._clear_padding(n, m)
         self.last_budget = budget
         self.budget_rounds += 1
