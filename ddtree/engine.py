@@ -181,7 +181,13 @@ class StageTimer:
 
 
 class _RoundState:
-    """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated)."""
+    """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated).
+
+    What a captured round's state still holds at its end stays allocated for as long as the graph lives;
+    the stages delete the large tensors they use up (draft_logits [m, L, V], taps [m, B+1, T*D]) so a
+    batch that captures many rounds (budget auto: every tree size of every row bucket) keeps one copy of
+    them in the shared pool, not one per graph.
+    """
 
     committed: torch.Tensor  # [m] committed lengths at the round's start
     draft_logits: torch.Tensor  # [m, L, V]
@@ -579,6 +585,7 @@ class DecodeBatch:
         # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
         def build(s: _RoundState) -> None:
             s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
+            del s.draft_logits  # not a graph output: its memory goes back to the shared pool (see _RoundState)
 
         stages: list[tuple[str, Stage]] = [("draft", draft), ("build", build)]
         if choose_next:  # one launch on CUDA; reads the static cost tensor and live mask a capture holds on to
@@ -633,6 +640,7 @@ class DecodeBatch:
                                    s.committed, bonus_out=self.bonus[:m], ring=(ctx.total, ctx.capacity))
             s.host = path.host
             eng.drafter.append_context(ctx, path.taps, path.positions, s.accept_lens, slots=path.slots)
+            del s.taps  # as draft_logits: used up within the round
 
         stages: list[tuple[str, Stage]] = [("build", compile_), ("verify", verify), ("walk", walk), ("compact", compact)]
         if hand_on:

@@ -221,6 +221,7 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
             assert {k[2] for k in rounds if k[0] == "round" and k[1] == m} == set(tree_sizes(12)), f"rows {m}"
         assert b._sizes_captured == {(m, False) for m in (1, 2, 3)}  # max_batch 3: buckets 1, 2, 3
         assert b._gains is not None and float(b._gains[0]) >= 0  # the choice's running mean of gains moved
+
         # the rounds after the first were timed, and every CALIBRATE_EVERY of them rewrote the costs the captured
         # choice reads: measured sizes at their mean, off-graph sizes still +inf
         assert b.calibration is not None and b._calibrated_rounds == b.budget_rounds - 1 >= CALIBRATE_EVERY
@@ -232,6 +233,24 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
             assert torch.isinf(costs[off_graph]).all()
             rewritten += not torch.equal(costs[on_graph], table[on_graph])
         assert rewritten, "no round cost was rewritten from measured rounds"
+
+
+def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
+    """A round's state (a captured graph's outputs) no longer holds the drafter's logits or the target's
+    taps at its end: only what the host and the next stage read."""
+    b = sdpa_engine.open_batch(SpecConfig(budget=6, topk=3, block_size=6), max_batch=2, max_len=96)
+    b.add_many([Request(str(i), p, 8) for i, p in enumerate(prompts(2, seed=3))])
+    states = []
+    run_stages = b._run_stages
+
+    def keep(key, make_stages, prev):  # noqa: ANN001, ANN202 - _run_stages' signature
+        states.append(run_stages(key, make_stages, prev))
+        return states[-1]
+
+    b._run_stages = keep  # type: ignore[method-assign]
+    b.step()
+    assert states and not hasattr(states[-1], "draft_logits") and not hasattr(states[-1], "taps")
+    assert hasattr(states[-1], "host") and hasattr(states[-1], "trees")
 
 
 def test_auto_budget_costs_follow_measured_rounds(sdpa_engine: Engine) -> None:
