@@ -699,12 +699,16 @@ class DecodeBatch:
         for _ in range(ROUND_TIMING_REPEATS):
             for t, s in zip(state, saved):
                 t.copy_(s)
-            torch.cuda.synchronize(self.device)
+            self._sync_device()
             t0 = time.perf_counter()
             self.graphs.replay(key)
-            torch.cuda.synchronize(self.device)
+            self._sync_device()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- eager or graphed stages ---------------------------------------------------------------
     def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:

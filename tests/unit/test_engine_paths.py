@@ -188,13 +188,19 @@ class _EagerGraphs:
     def __init__(self) -> None:
         self.keys: list[tuple] = []
         self.captures = 0  # nothing is ever captured: every round counts for budget auto's calibration
+        self._last: dict[tuple, object] = {}
 
     def __contains__(self, key: tuple) -> bool:
         return False  # nothing is kept: every run recomputes
 
     def run(self, key: tuple, fn, state=()):  # noqa: ANN001, ANN201 - GraphCache.run's signature
         self.keys.append(key)
+        self._last[key] = fn
         return fn()
+
+    def replay(self, key: tuple):  # noqa: ANN201 - GraphCache.replay's signature
+        self.keys.append(key)
+        return self._last[key]()  # what the graph run under `key` would redo
 
 
 @pytest.mark.parametrize("spec", [AR, SpecConfig(budget=6, topk=3, block_size=6, draft_window=None),
@@ -233,6 +239,26 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
             assert torch.isinf(costs[off_graph]).all()
             rewritten += not torch.equal(costs[on_graph], table[on_graph])
         assert rewritten, "no round cost was rewritten from measured rounds"
+
+
+def test_graphed_auto_costs_are_the_timed_rounds_on_cpu(sdpa_engine: Engine) -> None:
+    """Graphed code on the CPU, stage clocks off: the first round ahead times every tree size of buckets 1..3
+    (each replay from the batch's state) and chooses with those seconds (+inf where no graph exists); the
+    calibration moves every size alike; the tokens stay AR's."""
+    kernel = _with_attention(sdpa_engine, "reference")
+    spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
+    batch, lengths = prompts(4, seed=21), [30, 12, 26, 35]
+    ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
+    b = kernel.open_batch(spec, max_batch=3, max_len=160, profile=False)
+    b.graphs = _EagerGraphs()  # type: ignore[assignment]
+    assert _join_one_by_one(b, batch, lengths) == ref
+    on_graph = set(tree_sizes(12))
+    assert sorted(b._round_tables) == [(1, 12), (2, 12), (3, 12)]
+    for (rows, cap), seconds in b._round_tables.items():
+        assert all((0 < t < 5) if size in on_graph else t == float("inf") for size, t in enumerate(seconds, 1))
+        shift = [c - t for c, t, size in zip(b._round_costs(rows, cap, True).tolist(), seconds, range(1, 13))
+                 if size in on_graph]
+        assert max(shift) - min(shift) == pytest.approx(0, abs=1e-5), f"rows {rows}: sizes moved apart"
 
 
 def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
