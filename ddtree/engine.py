@@ -12,12 +12,14 @@ One round for every running request at once (DESIGN section 2):
 Rows of a `DecodeBatch` are kept packed at the front (a finished request's slot is refilled by moving
 the last row into it), so every forward runs on a contiguous view of the caches. The only host
 synchronisation per round is the one that hands the new tokens back to the caller; with
-`budget="auto"` there is a second one, after step 2, that reads the chosen tree size (ddtree.budget).
+`budget="auto"`, eager rounds (and a graphed batch's first) have a second one, after step 2, that reads
+the chosen tree size (ddtree.budget); later graphed rounds choose the next round's size on the device and
+hand it back with the tokens.
 
-On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as two CUDA
-graphs (steps 1-2, then 3-6; ddtree.cuda_graphs), rows padded to a captured bucket, and steps 2, 3
-and 5 are one Triton kernel each (ddtree.kernels.tree_ops); elsewhere the same stage functions run
-eagerly on ddtree.tree's torch code. Either way the tokens committed are the target's own.
+On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as one CUDA graph
+(ddtree.cuda_graphs), rows padded to a captured bucket, and steps 2, 3 and 5 are one Triton kernel each
+(ddtree.kernels.tree_ops); elsewhere the same stage functions run eagerly on ddtree.tree's torch code.
+Either way the tokens committed are the target's own.
 """
 
 from __future__ import annotations
