@@ -238,7 +238,8 @@ def choose_budget_reference(log_probs: torch.Tensor, costs: torch.Tensor, live: 
     """The torch ops of `choose_budget` (the CPU path, and the kernel's reference)."""
     budget_choice.check_choice_inputs(log_probs, costs, live, smoothed, alpha)
     log_probs = log_probs.float()
-    rows: torch.Tensor = torch.tensor(float(log_probs.shape[0]), device=log_probs.device)
+    # a fill, not torch.tensor: no host-to-device copy (the reference may run on a device, even captured)
+    rows = torch.full((), float(log_probs.shape[0]), device=log_probs.device)
     if live is not None:
         log_probs = log_probs.masked_fill(~live[:, None], float("-inf"))
         rows = live.sum().float()
