@@ -14,7 +14,8 @@ the last row into it), so every forward runs on a contiguous view of the caches.
 synchronisation per round is the one that hands the new tokens back to the caller; with
 `budget="auto"`, eager rounds (and a graphed batch's first) have a second one, after step 2, that reads
 the chosen tree size (ddtree.budget); later graphed rounds choose the next round's size on the device and
-hand it back with the tokens.
+hand it back with the tokens, one round in CHOOSE_EVERY (the rounds between build and verify that size, as
+a fixed budget's round does).
 
 On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as one CUDA graph
 (ddtree.cuda_graphs), rows padded to a captured bucket, and steps 2, 3 and 5 are one Triton kernel each
@@ -63,6 +64,10 @@ PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (act
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
 ROUND_TIMING_REPEATS = 3  # replays timed per captured auto round (median): its cost table
 CALIBRATE_EVERY = 8  # budget auto rewrites its round costs from measured rounds this often
+# Graphed budget auto builds the cap's tree and chooses the next round's size on one round in this many; the
+# others build and verify just the chosen size, the same graph as that fixed budget's round (building at
+# the cap, the choice and its ride-along column cost ~8 us of a 0.4 ms round on the H200 at batch 1).
+CHOOSE_EVERY = 4
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
 # A graphed batch prefills a lone request of up to this many tokens by replaying a graph (per power-of-two
@@ -193,7 +198,7 @@ class _RoundState:
 
     committed: torch.Tensor  # [m] committed lengths at the round's start
     draft_logits: torch.Tensor  # [m, L, V]
-    trees: DraftTrees  # built at the cap, then cut to the round's budget
+    trees: DraftTrees  # built at the round's size (budget auto choosing: at the cap, then cut to it)
     compiled: CompiledTrees
     taps: torch.Tensor  # [m, B+1, T*D] target hidden states for the drafter
     target_tokens: torch.Tensor  # [m, B+1] the target's token at every node
@@ -286,6 +291,7 @@ class DecodeBatch:
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
         self._calibrated_rounds = 0
+        self._rounds_ahead = 0  # graphed auto rounds run on a size chosen ahead (every CHOOSE_EVERY-th chooses)
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
         self.cost_model = engine.budget_cost_model(spec, max_batch) if spec.auto_budget else None
@@ -514,15 +520,19 @@ class DecodeBatch:
         # choice is one round stale. The first round (and every eager round) drafts, reads b* back (a second
         # sync) and verifies that prefix.
         ahead = graphed and costs is not None and self._next_budget is not None
+        choosing = False  # this round also chooses the next one's size
         if ahead:
             assert self._next_budget is not None
             budget = self._next_budget
+            choosing = self._rounds_ahead % CHOOSE_EVERY == 0
+            self._rounds_ahead += 1
             self._mark_live(n)
             self._capture_tree_sizes(m, sampled)
-            s = self._run_stages(("round", m, budget, sampled, True),
-                                 functools.partial(self._round_stages, m, budget, sampled, True, longest), _RoundState())
+            s = self._run_stages(("round", m, budget, sampled, choosing),
+                                 functools.partial(self._round_stages, m, budget, sampled, choosing, longest),
+                                 _RoundState())
         elif costs is not None:
-            drafted = self._run_stages(("draft", m), functools.partial(self._draft_stages, m, longest, False),
+            drafted = self._run_stages(("draft", m), functools.partial(self._draft_stages, m, longest, cap, False),
                                        _RoundState())
             # the prefix of b* nodes (a valid tree: parents come first) with the most expected tokens per
             # second for the live rows; graphed, b* is one of the captured tree sizes
@@ -537,7 +547,7 @@ class DecodeBatch:
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
         tail = 0  # columns after the accepted length: next round's tree size when it rides along
-        if ahead:
+        if choosing:
             self._next_budget, tail = host[0][-1], 1
         elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
             self._next_budget = budget
@@ -562,13 +572,18 @@ class DecodeBatch:
             outputs.append(out)
         return outputs
 
-    def _round_stages(self, m: int, budget: int, sampled: bool, ahead: bool, longest: int | None) -> list[tuple[str, Stage]]:
-        """A whole round for m rows verifying `budget` nodes (ahead: also choosing the next round's size)."""
-        return (self._draft_stages(m, longest, choose_next=ahead)
-                + self._verify_stages(m, budget, sampled, longest, hand_on=ahead))
+    def _round_stages(self, m: int, budget: int, sampled: bool, choose_next: bool,
+                      longest: int | None) -> list[tuple[str, Stage]]:
+        """A whole round for m rows verifying `budget` nodes; choose_next: built at the budget cap, and also
+        choosing the next round's size (budget auto), else built at `budget`."""
+        build = self.spec.budget_cap if choose_next else budget
+        return (self._draft_stages(m, longest, build, choose_next)
+                + self._verify_stages(m, budget, sampled, longest, hand_on=choose_next))
 
-    def _draft_stages(self, m: int, longest: int | None, choose_next: bool) -> list[tuple[str, Stage]]:
-        """Steps 1-2 for m rows: draft, build at the budget cap (and, choose_next, budget auto's next size)."""
+    def _draft_stages(self, m: int, longest: int | None, build_size: int,
+                      choose_next: bool) -> list[tuple[str, Stage]]:
+        """Steps 1-2 for m rows: draft, build the best `build_size` paths (and, choose_next, budget auto's
+        next size from them: build_size is then the cap)."""
         eng, spec = self.engine, self.spec
         cap = spec.budget_cap
         cache, ctx = self._first_rows(m)
@@ -584,9 +599,9 @@ class DecodeBatch:
             s.draft_logits = eng.drafter.forward(ctx, block_ids, s.committed, ctx_len_hint=longest,
                                                  attention=self.attention)  # [m, L, V]
 
-        # 2. build: the best `cap` paths, nodes sorted best first (parents before children)
+        # 2. build: the best `build_size` paths, nodes sorted best first (parents before children)
         def build(s: _RoundState) -> None:
-            s.trees = tree_ops.build_trees(s.draft_logits, cap, spec.topk)
+            s.trees = tree_ops.build_trees(s.draft_logits, build_size, spec.topk)
             del s.draft_logits  # not a graph output: its memory goes back to the shared pool (see _RoundState)
 
         stages: list[tuple[str, Stage]] = [("draft", draft), ("build", build)]
@@ -612,7 +627,7 @@ class DecodeBatch:
 
         # 3. compile: [bonus, nodes], positions start + depth, the ancestor-or-self mask (and its bits)
         def compile_(s: _RoundState) -> None:
-            s.trees = truncate_trees(s.trees, budget) if budget < spec.budget_cap else s.trees
+            s.trees = truncate_trees(s.trees, budget) if budget < s.trees.budget else s.trees
             s.compiled = tree_ops.compile_trees(s.trees, self.bonus[:m], s.committed)
 
         # 4. verify: one target forward over every tree; the target's token at every node
@@ -660,10 +675,11 @@ class DecodeBatch:
             self._live_n = n
 
     def _capture_tree_sizes(self, m: int, sampled: bool) -> None:
-        """Capture budget auto's round at every tree size it may choose, for m rows and every row bucket below
-        (a batch shrinks as its requests finish), the first time such rounds run: a size or bucket met for
-        the first time mid-run would stall that round on its capture (~15 ms on the H200, tens of rounds).
-        Each runs once here, and the batch's state is put back after each."""
+        """Capture budget auto's rounds (choosing and not) at every tree size it may choose, for m rows and
+        every row bucket below (a batch shrinks as its requests finish), the first time such rounds run: a
+        size or bucket met for the first time mid-run would stall that round on its capture (~15 ms on the
+        H200, tens of rounds). Each runs once here, and the batch's state is put back after each. A size's
+        cost is what its rounds take on average: one in CHOOSE_EVERY chooses."""
         if self.graphs is None or (m, sampled) in self._sizes_captured:  # and so every bucket below it
             return
         buckets = [b for b in sorted({row_bucket(r, self.max_batch) for r in range(1, m + 1)})
@@ -676,15 +692,19 @@ class DecodeBatch:
             for rows in buckets:
                 seconds = [float("inf")] * cap  # sizes with no graph stay out of reach
                 for size in tree_sizes(cap):
-                    key = ("round", rows, size, sampled, True)
-                    try:
-                        self._run_stages(key, functools.partial(self._round_stages, rows, size, sampled, True, None),
-                                         _RoundState())
-                        if not self.timer.sync:  # profiling graphs each stage apart: keep the model's table
-                            seconds[size - 1] = self._time_replays(key, state, saved)
-                    finally:  # each runs from the batch's state: no row runs past its cache
-                        for t, s in zip(state, saved):
-                            t.copy_(s)
+                    timed = {}
+                    for choosing in (True, False):
+                        key = ("round", rows, size, sampled, choosing)
+                        try:
+                            self._run_stages(key, functools.partial(self._round_stages, rows, size, sampled,
+                                                                    choosing, None), _RoundState())
+                            if not self.timer.sync:  # profiling graphs each stage apart: keep the model's table
+                                timed[choosing] = self._time_replays(key, state, saved)
+                        finally:  # each runs from the batch's state: no row runs past its cache
+                            for t, s in zip(state, saved):
+                                t.copy_(s)
+                    if timed:
+                        seconds[size - 1] = timed[False] + (timed[True] - timed[False]) / CHOOSE_EVERY
                 if not self.timer.sync:
                     self._round_tables[(rows, cap)] = seconds
                     self._round_costs(rows, cap, graphed=True).copy_(torch.tensor(seconds, dtype=torch.float32))

@@ -13,8 +13,9 @@ import torch
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
-from ddtree.engine import CALIBRATE_EVERY, DecodeBatch, Engine, Request
+from ddtree.engine import CALIBRATE_EVERY, CHOOSE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
+from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import triton_available
 from tests.unit.test_engine import AR, make_engine, prompts
 
@@ -219,7 +220,8 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
     assert {k for k in graphs.keys if k[0] == "prefill"} == {("prefill", 64, False)}  # every prompt <= 64 tokens
     if spec.auto_budget:  # after the first round, each round's tree size was chosen by the round before
         rounds = [k for k in graphs.keys if k[0] in ("round", "draft")]
-        assert rounds[0][0] == "draft" and rounds[-1][0] == "round" and rounds[-1][4] is True
+        assert rounds[0][0] == "draft" and rounds[-1][0] == "round"
+        assert {k[4] for k in rounds if k[0] == "round"} == {True, False}  # choosing rounds and the ones between
         assert b.budget_rounds > 1 and {k[2] for k in rounds if k[0] == "round"} <= set(tree_sizes(12))
         # the first such round ran every tree size auto may choose for its row bucket and every bucket below
         # (capturing them all up front), and put the batch back as it was: the tokens above are still AR's
@@ -259,6 +261,50 @@ def test_graphed_auto_costs_are_the_timed_rounds_on_cpu(sdpa_engine: Engine) -> 
         shift = [c - t for c, t, size in zip(b._round_costs(rows, cap, True).tolist(), seconds, range(1, 13))
                  if size in on_graph]
         assert max(shift) - min(shift) == pytest.approx(0, abs=1e-5), f"rows {rows}: sizes moved apart"
+
+
+def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphed auto (run eagerly on the CPU): one round in CHOOSE_EVERY builds the cap's tree and chooses the
+    next size; the rounds between build and verify that size only (a fixed budget's round); tokens stay AR's."""
+    kernel = _with_attention(sdpa_engine, "reference")
+    spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
+    batch = prompts(2, seed=5)
+    ref = [sdpa_engine.generate(p, 60, spec=AR).token_ids for p in batch]
+    b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
+    b.graphs = _EagerGraphs()  # type: ignore[assignment]
+    built: list[int] = []  # build_trees' size argument, call by call
+    build_trees = tree_ops.build_trees
+    monkeypatch.setattr(tree_ops, "build_trees", lambda logits, size, topk: built.append(size) or build_trees(logits, size, topk))
+    rounds: list[tuple[tuple, list[int]]] = []  # (graph key, sizes built) of each round a step ran
+    capture_tree_sizes, run_stages = b._capture_tree_sizes, b._run_stages
+    capturing = False
+
+    def capture(*args):  # noqa: ANN002, ANN202 - wraps DecodeBatch._capture_tree_sizes
+        nonlocal capturing
+        capturing = True
+        try:
+            capture_tree_sizes(*args)
+        finally:
+            capturing = False
+
+    def run(key, make_stages, prev):  # noqa: ANN001, ANN202 - wraps DecodeBatch._run_stages
+        built.clear()
+        s = run_stages(key, make_stages, prev)
+        if not capturing:
+            rounds.append((key, list(built)))
+        return s
+
+    monkeypatch.setattr(b, "_capture_tree_sizes", capture)
+    monkeypatch.setattr(b, "_run_stages", run)
+    assert _join_one_by_one(b, batch, [60, 60]) == ref
+    assert [k[0] for k, _ in rounds[:2]] == ["draft", "verify"]  # the first round reads b* back
+    ahead = rounds[2:]
+    assert len(ahead) > 2 * CHOOSE_EVERY
+    for j, ((kind, _, size, _, choosing), sizes) in enumerate(ahead):
+        assert kind == "round" and choosing == (j % CHOOSE_EVERY == 0), f"round {j}"
+        assert sizes == [12 if choosing else size], f"round {j}: built {sizes}"
+        if j % CHOOSE_EVERY != 1 and j > 0:  # only a choosing round hands on a new size
+            assert size == ahead[j - 1][0][2], f"round {j}"
 
 
 def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
