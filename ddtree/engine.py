@@ -62,8 +62,12 @@ log = logging.getLogger("ddtree.engine")
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is measured on (at most)
-ROUND_TIMING_REPEATS = 3  # replays timed per captured auto round (median): its cost table
-CALIBRATE_EVERY = 8  # budget auto rewrites its round costs from measured rounds this often
+# Replays timed per captured auto round (median): its cost table. The rounds of a row bucket are timed in
+# turns (one untimed turn first), so a device that is still speeding up slows every size alike.
+ROUND_TIMING_REPEATS = 5
+# Budget auto rewrites its round costs from measured rounds this often (the rewrite is ~40 us of host
+# time on the H200's host: every 8 rounds it cost 1.5% of a batch-1 round)
+CALIBRATE_EVERY = 64
 # Graphed budget auto builds the cap's tree and chooses the next round's size on one round in this many; the
 # others build and verify just the chosen size, the same graph as that fixed budget's round (building at
 # the cap, the choice and its ride-along column cost ~8 us of a 0.4 ms round on the H200 at batch 1).
@@ -291,6 +295,7 @@ class DecodeBatch:
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
         self._calibrated_rounds = 0
+        self.calibrate_every = CALIBRATE_EVERY  # rounds between rewrites of auto's costs (tests lower it)
         self._rounds_ahead = 0  # graphed auto rounds run on a size chosen ahead (every CHOOSE_EVERY-th chooses)
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
@@ -690,22 +695,19 @@ class DecodeBatch:
         started, cap = time.perf_counter(), self.spec.budget_cap
         try:
             for rows in buckets:
-                seconds = [float("inf")] * cap  # sizes with no graph stay out of reach
-                for size in tree_sizes(cap):
-                    timed = {}
-                    for choosing in (True, False):
-                        key = ("round", rows, size, sampled, choosing)
-                        try:
-                            self._run_stages(key, functools.partial(self._round_stages, rows, size, sampled,
-                                                                    choosing, None), _RoundState())
-                            if not self.timer.sync:  # profiling graphs each stage apart: keep the model's table
-                                timed[choosing] = self._time_replays(key, state, saved)
-                        finally:  # each runs from the batch's state: no row runs past its cache
-                            for t, s in zip(state, saved):
-                                t.copy_(s)
-                    if timed:
-                        seconds[size - 1] = timed[False] + (timed[True] - timed[False]) / CHOOSE_EVERY
-                if not self.timer.sync:
+                keys = [("round", rows, size, sampled, choosing) for size in tree_sizes(cap) for choosing in (True, False)]
+                for key in keys:
+                    try:
+                        self._run_stages(key, functools.partial(self._round_stages, *key[1:], None), _RoundState())
+                    finally:  # each runs from the batch's state: no row runs past its cache
+                        for t, s in zip(state, saved):
+                            t.copy_(s)
+                if not self.timer.sync:  # profiling graphs each stage apart: keep the model's table
+                    timed = self._time_replays(keys, state, saved)
+                    seconds = [float("inf")] * cap  # sizes with no graph stay out of reach
+                    for size in tree_sizes(cap):
+                        plain, choosing = timed[("round", rows, size, sampled, False)], timed[("round", rows, size, sampled, True)]
+                        seconds[size - 1] = plain + (choosing - plain) / CHOOSE_EVERY
                     self._round_tables[(rows, cap)] = seconds
                     self._round_costs(rows, cap, graphed=True).copy_(torch.tensor(seconds, dtype=torch.float32))
                 self._sizes_captured.add((rows, sampled))
@@ -714,19 +716,25 @@ class DecodeBatch:
         log.debug("budget auto: captured %d tree sizes for row buckets %s in %.2f s",
                   len(tree_sizes(self.spec.budget_cap)), buckets, time.perf_counter() - started)
 
-    def _time_replays(self, key: tuple, state: list[torch.Tensor], saved: list[torch.Tensor]) -> float:
-        """Median seconds of ROUND_TIMING_REPEATS replays of a captured round, each from the saved state."""
+    def _time_replays(self, keys: list[tuple], state: list[torch.Tensor],
+                      saved: list[torch.Tensor]) -> dict[tuple, float]:
+        """Median seconds of ROUND_TIMING_REPEATS replays of each captured round, each from the saved state,
+        the rounds taking turns (after one untimed turn)."""
         assert self.graphs is not None
-        times = []
-        for _ in range(ROUND_TIMING_REPEATS):
-            for t, s in zip(state, saved):
-                t.copy_(s)
-            self._sync_device()
-            t0 = time.perf_counter()
-            self.graphs.replay(key)
-            self._sync_device()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        times: dict[tuple, list[float]] = {key: [] for key in keys}
+        for turn in range(ROUND_TIMING_REPEATS + 1):
+            for key in keys:
+                for t, s in zip(state, saved):
+                    t.copy_(s)
+                self._sync_device()
+                t0 = time.perf_counter()
+                self.graphs.replay(key)
+                self._sync_device()
+                if turn:
+                    times[key].append(time.perf_counter() - t0)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        return {key: statistics.median(seconds) for key, seconds in times.items()}
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
@@ -761,12 +769,12 @@ class DecodeBatch:
         return self._auto_costs[(m, cap)]
 
     def _calibrate(self, m: int, cap: int, budget: int, seconds: float) -> None:
-        """Record a round's seconds; every CALIBRATE_EVERY rounds, rewrite the costs auto chooses with (an
+        """Record a round's seconds; every `calibrate_every` rounds, rewrite the costs auto chooses with (an
         asynchronous copy from pinned memory on a GPU: no sync; the next round reads it in stream order)."""
         assert self.calibration is not None and self.cost_model is not None
         self.calibration.observe(m, budget, seconds)
         self._calibrated_rounds += 1
-        if self._calibrated_rounds % CALIBRATE_EVERY:
+        if self._calibrated_rounds % self.calibrate_every:
             return
         table = self._round_tables.get((m, cap))  # the captured rounds' own times, else the model's
         if table is None:

@@ -20,6 +20,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ from ddtree.errors import ConfigError
 
 
 def _timed_generate(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
-                    ) -> tuple[float, list[list[int]], list[int]]:
-    """(output tok/s, outputs, accepted lengths) of one generate, the device synchronised around the clock."""
+                    ) -> tuple[float, list[list[int]], list[int], list[int]]:
+    """(output tok/s, outputs, accepted lengths, tree sizes) of one generate, the device synchronised around
+    the clock."""
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -52,7 +54,8 @@ def _timed_generate(engine: Engine, prompts: list[list[int]], spec: SpecConfig, 
     sync()
     wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
-    return tokens / wall, [r.token_ids for r in results], [a for r in results for a in r.accept_lengths]
+    return (tokens / wall, [r.token_ids for r in results], [a for r in results for a in r.accept_lengths],
+            [b for r in results for b in r.budgets])
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -67,14 +70,16 @@ def run_pairs(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig],
         engine.generate(prompts, max_new_tokens, spec=spec, ignore_eos=True)
     speed: dict[str, list[float]] = {s.id: [] for s in specs}
     accepts: dict[str, list[int]] = {s.id: [] for s in specs}
+    sizes: dict[str, list[int]] = {s.id: [] for s in specs}  # tree size per row and round (budget auto's vary)
     mismatched: dict[str, set[int]] = {s.id: set() for s in specs}
     reference: list[list[int]] | None = None
     for round_ in range(pairs):
         for spec in specs:
-            tps, outputs, accepted = _timed_generate(engine, prompts, spec, max_new_tokens)
+            tps, outputs, accepted, built = _timed_generate(engine, prompts, spec, max_new_tokens)
             reference = outputs if reference is None else reference  # AR's first timed outputs
             speed[spec.id].append(tps)
             accepts[spec.id] += accepted
+            sizes[spec.id] += built
             mismatched[spec.id] |= {i for i, out in enumerate(outputs) if out != reference[i]}
         print(f"  [round {round_ + 1}/{pairs}] " + ", ".join(f"{s.id} {speed[s.id][-1]:.1f}" for s in specs) + " tok/s",
               flush=True)
@@ -84,6 +89,8 @@ def run_pairs(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig],
         tau = statistics.fmean(accepts[spec.id]) if accepts[spec.id] else 1.0
         speedups = [t / a for t, a in zip(speed[spec.id], ar)]
         rows.append({"config": spec.id, "tok_per_s": _spread(speed[spec.id]), "tau": tau,
+                     "tree_size": statistics.fmean(sizes[spec.id]) if sizes[spec.id] else None,
+                     "tree_sizes": dict(sorted(Counter(sizes[spec.id]).items())),
                      "speedup": _spread(speedups), "efficiency": _spread([s / tau for s in speedups]),
                      "tok_per_s_rounds": speed[spec.id], "lossless": not mismatched[spec.id],
                      "mismatched_prompts": sorted(mismatched[spec.id])})
@@ -91,12 +98,13 @@ def run_pairs(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig],
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = f"{'config':22} {'tok/s median':>12} {'min':>9} {'max':>9} {'tau':>5} {'speed-up':>8} {'eff median':>10} " \
-           f"{'min':>5} {'max':>5}  lossless"
+    head = f"{'config':22} {'tok/s median':>12} {'min':>9} {'max':>9} {'tau':>5} {'size':>5} {'speed-up':>8} " \
+           f"{'eff median':>10} {'min':>5} {'max':>5}  lossless"
     lines = [head]
     for r in rows:
         t, s, e = r["tok_per_s"], r["speedup"], r["efficiency"]
-        lines.append(f"{r['config']:22} {t['median']:12.1f} {t['min']:9.1f} {t['max']:9.1f} {r['tau']:5.2f} "
+        size = f"{r['tree_size']:5.1f}" if r.get("tree_size") is not None else f"{'-':>5}"
+        lines.append(f"{r['config']:22} {t['median']:12.1f} {t['min']:9.1f} {t['max']:9.1f} {r['tau']:5.2f} {size} "
                      f"{s['median']:8.2f} {e['median']:10.3f} {e['min']:5.3f} {e['max']:5.3f}  "
                      f"{'yes' if r['lossless'] else 'NO'}")
     return "\n".join(lines)

@@ -20,8 +20,9 @@ class _ScriptedEngine:
     device = torch.device("cpu")
 
     def __init__(self, walls: dict[str, list[float]], outputs: dict[str, list[int]], accepts: dict[str, list[int]],
-                 clock: list[float]) -> None:
+                 clock: list[float], budgets: dict[str, list[int]] | None = None) -> None:
         self.walls, self.outputs, self.accepts, self.clock = walls, outputs, accepts, clock
+        self.budgets = budgets or {}
         self.calls: dict[str, int] = {}
 
     def generate(self, prompts, max_new_tokens, spec, ignore_eos):
@@ -29,7 +30,8 @@ class _ScriptedEngine:
         self.calls[spec.id] = n + 1
         if n > 0:  # the first call per config is the untimed warm-up
             self.clock[0] += self.walls[spec.id][n - 1]
-        return [GenerationResult(list(self.outputs[spec.id]), len(p), "length", 1, list(self.accepts[spec.id]), {})
+        return [GenerationResult(list(self.outputs[spec.id]), len(p), "length", 1, list(self.accepts[spec.id]), {},
+                                 budgets=list(self.budgets.get(spec.id, [])))
                 for p in prompts]
 
 
@@ -49,6 +51,22 @@ def test_ratios_are_taken_within_each_round(monkeypatch: pytest.MonkeyPatch) -> 
     assert tree["speedup"]["min"] == pytest.approx(1.5) and tree["speedup"]["max"] == pytest.approx(1.5)
     assert tree["efficiency"]["median"] == pytest.approx(1.5 / 2.5)
     assert tree["lossless"] and tree["tok_per_s_rounds"] == pytest.approx([6.0, 3.0, 6.0])
+
+
+def test_rows_count_the_tree_sizes_each_config_verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget auto's sizes vary by round: the row has their mean and histogram (AR verifies no tree)."""
+    specs = parse_configs(["bauto-k4-w2048-bs8"])
+    clock = [0.0]
+    monkeypatch.setattr(paired.time, "perf_counter", lambda: clock[0])
+    engine = _ScriptedEngine(walls={"ar": [1.0, 1.0], "bauto-k4-w2048-bs8": [0.5, 0.5]},
+                             outputs={"ar": [5, 6, 7], "bauto-k4-w2048-bs8": [5, 6, 7]},
+                             accepts={"ar": [], "bauto-k4-w2048-bs8": [2, 1]}, clock=clock,
+                             budgets={"bauto-k4-w2048-bs8": [4, 12]})
+    ar, auto = paired.run_pairs(engine, [[1, 2]], specs, max_new_tokens=3, pairs=2)  # type: ignore[arg-type]
+    assert ar["tree_size"] is None and ar["tree_sizes"] == {}
+    assert auto["tree_size"] == pytest.approx(8.0) and auto["tree_sizes"] == {4: 2, 12: 2}
+    table = paired.format_rows([ar, auto]).splitlines()
+    assert table[0].split()[6] == "size" and table[1].split()[5] == "-" and table[2].split()[5] == "8.0"
 
 
 def test_a_different_output_is_not_lossless(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import torch
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
-from ddtree.engine import CALIBRATE_EVERY, CHOOSE_EVERY, DecodeBatch, Engine, Request
+from ddtree.engine import CHOOSE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import triton_available
@@ -216,6 +216,7 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160)
     b.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.calibrate_every = 8  # a rewrite within these few rounds
     assert _join_one_by_one(b, batch, lengths) == ref
     assert {k for k in graphs.keys if k[0] == "prefill"} == {("prefill", 64, False)}  # every prompt <= 64 tokens
     if spec.auto_budget:  # after the first round, each round's tree size was chosen by the round before
@@ -230,9 +231,9 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
         assert b._sizes_captured == {(m, False) for m in (1, 2, 3)}  # max_batch 3: buckets 1, 2, 3
         assert b._gains is not None and float(b._gains[0]) >= 0  # the choice's running mean of gains moved
 
-        # the rounds after the first were timed, and every CALIBRATE_EVERY of them rewrote the costs the captured
-        # choice reads: measured sizes at their mean, off-graph sizes still +inf
-        assert b.calibration is not None and b._calibrated_rounds == b.budget_rounds - 1 >= CALIBRATE_EVERY
+        # the rounds after the first were timed, and every `calibrate_every` of them rewrote the costs the
+        # captured choice reads: measured sizes at their mean, off-graph sizes still +inf
+        assert b.calibration is not None and b._calibrated_rounds == b.budget_rounds - 1 >= b.calibrate_every
         rewritten = 0
         for (m, cap), costs in b._auto_costs.items():
             table = b.cost_model.round_costs(m, cap, "cpu")
@@ -326,15 +327,15 @@ def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
 
 
 def test_auto_budget_costs_follow_measured_rounds(sdpa_engine: Engine) -> None:
-    """Every CALIBRATE_EVERY timed rounds the costs auto chooses with become the table shifted by the measured
+    """Every `calibrate_every` timed rounds the costs auto chooses with become the table shifted by the measured
     gap, in place: a captured choice reads the same tensor."""
     b = sdpa_engine.open_batch(SpecConfig(budget="auto", max_budget=8, topk=3, block_size=6), max_batch=2, max_len=64)
     assert b.calibration is not None and b.cost_model is not None
     costs = b._round_costs(2, 8, graphed=False)
     table = b.cost_model.round_costs(2, 8, "cpu").tolist()
-    for i in range(CALIBRATE_EVERY - 1):
+    for i in range(b.calibrate_every - 1):
         b._calibrate(2, 8, budget=4 if i % 2 else 6, seconds=0.5 if i % 2 else 0.9)
-    assert costs.tolist() == pytest.approx(table), "rewritten before CALIBRATE_EVERY rounds"
+    assert costs.tolist() == pytest.approx(table), "rewritten before calibrate_every rounds"
     b._calibrate(2, 8, budget=4, seconds=0.5)
     assert b._round_costs(2, 8, graphed=False) is costs  # the same tensor, rewritten in place
     gap = ((0.5 - table[3]) + (0.9 - table[5])) / 2
@@ -343,6 +344,7 @@ def test_auto_budget_costs_follow_measured_rounds(sdpa_engine: Engine) -> None:
 
 def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int, rounds: int = 3) -> list[int]:
     batch = engine.open_batch(spec, max_batch=rows, max_len=256)
+    batch.calibrate_every = 8
     batch.add_many([Request(str(i), p, 100) for i, p in enumerate(prompts(rows, seed=2))])
     return round_syncs(batch, rounds=rounds, warmup_rounds=3)  # the warm-up rounds capture every graph
 
@@ -360,7 +362,7 @@ def test_graphed_round_syncs_only_to_hand_back_tokens(spec: SpecConfig, syncs: i
     """At batch 32 a graphed round waits on the device only for the tokens (budget auto: also in the round
     that rewrites its costs from measured rounds, an asynchronous copy)."""
     engine = _cuda_engine(True)
-    rounds = CALIBRATE_EVERY + 1 if spec.auto_budget else 3
+    rounds = 8 + 1 if spec.auto_budget else 3  # budget auto: one rewrite of its costs (calibrate_every 8)
     assert _syncs_per_round(engine, spec, rows=32, rounds=rounds) == [syncs] * rounds
 
 
