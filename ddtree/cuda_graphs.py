@@ -21,6 +21,7 @@ torch.cuda.graphs' make_graphed_callables targets autograd modules; this is the 
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -92,7 +93,15 @@ class GraphCache:
         for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = fn()
+        # torch.cuda.graph collects garbage before the capture; a collection during it could free an unreachable
+        # batch's graph, and destroying a graph is a call a capture forbids (the capture fails): hold it off
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn()
+        finally:
+            if collecting:
+                gc.enable()
         self.captures += 1
         return graph, outputs

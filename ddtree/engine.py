@@ -706,14 +706,17 @@ class DecodeBatch:
                     timed = self._time_replays(keys, state, saved)
                     seconds = [float("inf")] * cap  # sizes with no graph stay out of reach
                     for size in tree_sizes(cap):
-                        plain, choosing = timed[("round", rows, size, sampled, False)], timed[("round", rows, size, sampled, True)]
+                        plain = timed[("round", rows, size, sampled, False)]
+                        choosing = timed[("round", rows, size, sampled, True)]
                         seconds[size - 1] = plain + (choosing - plain) / CHOOSE_EVERY
                     self._round_tables[(rows, cap)] = seconds
+                    if self.device.type == "cuda":
+                        self._pinned_staging(rows, cap)
                     self._round_costs(rows, cap, graphed=True).copy_(torch.tensor(seconds, dtype=torch.float32))
                 self._sizes_captured.add((rows, sampled))
         finally:
             self.timer = timer
-        log.debug("budget auto: captured %d tree sizes for row buckets %s in %.2f s",
+        log.debug("budget auto: captured %d tree sizes (choosing and not) for row buckets %s in %.2f s",
                   len(tree_sizes(self.spec.budget_cap)), buckets, time.perf_counter() - started)
 
     def _time_replays(self, keys: list[tuple], state: list[torch.Tensor],
@@ -787,11 +790,17 @@ class DecodeBatch:
         if costs.device.type == "cpu":
             costs.copy_(values)
             return
+        staging = self._pinned_staging(m, cap)
+        staging.copy_(values)  # the last copy from it finished: every round since ended in a sync
+        costs.copy_(staging, non_blocking=True)
+
+    def _pinned_staging(self, m: int, cap: int) -> torch.Tensor:
+        """Host memory the calibration copies (m, cap)'s costs from (pinning takes ~1 ms on the H200's host:
+        the first round ahead makes it, with its captures, not a timed round)."""
         staging = self._pinned.get((m, cap))
         if staging is None:
             staging = self._pinned[(m, cap)] = torch.empty(cap, dtype=torch.float32, pin_memory=True)
-        staging.copy_(values)  # the last copy from it finished: every round since ended in a sync
-        costs.copy_(staging, non_blocking=True)
+        return staging
 
     def _non_bucket_penalty(self, cap: int) -> torch.Tensor:
         """+inf on the tree sizes that have no captured verify (budget auto picks among tree_sizes(cap))."""

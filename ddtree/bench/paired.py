@@ -5,11 +5,12 @@ r"""Paired timing of a few configs in one cell: `python -m ddtree.bench.paired`.
 
 `python -m ddtree.bench` runs each config's repeats back to back, so a drift of the machine between two
 configs (clocks, a busy host) lands in their ratio. Here every round times one generate of each config in
-turn, and the ratios (speed-up over AR, efficiency = speed-up / tau) are taken within a round, then
-summarised as median, min and max over the rounds: the spread says how far one number can be trusted.
-Every config first runs once untimed (graph capture, compiles). Outputs must equal AR's at T = 0; the
-exit status is 1 when one does not. At most ddtree.engine.POOLED_BATCHES configs, AR included: each
-keeps its batch (and CUDA graphs) alive across the rounds.
+turn (each round starting one config later, so no config always follows the same one), and the ratios
+(speed-up over AR, efficiency = speed-up / tau) are taken within a round, then summarised as median, min
+and max over the rounds: the spread says how far one number can be trusted. Every config first runs once
+untimed (graph capture, compiles). Outputs must equal AR's at T = 0; the exit status is 1 when one does
+not. At most ddtree.engine.POOLED_BATCHES configs, AR included: each keeps its batch (and CUDA graphs)
+alive across the rounds.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run_pairs(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig], max_new_tokens: int,
               pairs: int) -> list[dict[str, Any]]:
-    """One untimed generate per config, then `pairs` rounds of one timed generate per config (AR first);
-    a row per config with tok/s, tau, and the in-round speed-up and efficiency against AR."""
+    """One untimed generate per config, then `pairs` rounds of one timed generate per config (round r starts
+    at config r mod n: a config that warms or slows the device for the next does not always precede the
+    same one); a row per config with tok/s, tau, and the in-round speed-up and efficiency against AR (the
+    first config; its first timed outputs are the reference)."""
     for spec in specs:
         engine.generate(prompts, max_new_tokens, spec=spec, ignore_eos=True)
     speed: dict[str, list[float]] = {s.id: [] for s in specs}
@@ -74,9 +77,10 @@ def run_pairs(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig],
     mismatched: dict[str, set[int]] = {s.id: set() for s in specs}
     reference: list[list[int]] | None = None
     for round_ in range(pairs):
-        for spec in specs:
+        start = round_ % len(specs)
+        for spec in specs[start:] + specs[:start]:
             tps, outputs, accepted, built = _timed_generate(engine, prompts, spec, max_new_tokens)
-            reference = outputs if reference is None else reference  # AR's first timed outputs
+            reference = outputs if reference is None else reference  # round 0 starts with AR
             speed[spec.id].append(tps)
             accepts[spec.id] += accepted
             sizes[spec.id] += built

@@ -53,6 +53,20 @@ def test_ratios_are_taken_within_each_round(monkeypatch: pytest.MonkeyPatch) -> 
     assert tree["lossless"] and tree["tok_per_s_rounds"] == pytest.approx([6.0, 3.0, 6.0])
 
 
+def test_each_round_starts_one_config_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config that slows the device for the next one does not always precede the same one."""
+    specs = parse_configs(["dflash-w2048-bs8", "b4-k4-w2048-bs8"])
+    engine = _ScriptedEngine(walls={s.id: [1.0] * 3 for s in specs}, outputs={s.id: [5] for s in specs},
+                             accepts={s.id: [1] for s in specs}, clock=[0.0])
+    order: list[str] = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, n, spec, ignore_eos: order.append(spec.id) or
+                        generate(prompts, n, spec=spec, ignore_eos=ignore_eos))
+    paired.run_pairs(engine, [[1]], specs, max_new_tokens=1, pairs=3)  # type: ignore[arg-type]
+    ids = [s.id for s in specs]
+    assert order == ids + ids + ids[1:] + ids[:1] + ids[2:] + ids[:2]  # warm-up, then rounds 0, 1, 2
+
+
 def test_rows_count_the_tree_sizes_each_config_verified(monkeypatch: pytest.MonkeyPatch) -> None:
     """Budget auto's sizes vary by round: the row has their mean and histogram (AR verifies no tree)."""
     specs = parse_configs(["bauto-k4-w2048-bs8"])
