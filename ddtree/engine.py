@@ -65,9 +65,11 @@ COST_PROFILE_CONTEXT = 1024  # committed tokens the auto budget's cost model is 
 # Replays timed per captured auto round (median): its cost table. The rounds of a row bucket are timed in
 # turns (one untimed turn first), so a device that is still speeding up slows every size alike.
 ROUND_TIMING_REPEATS = 5
-# Budget auto rewrites its round costs from measured rounds this often (the rewrite is ~40 us of host
-# time on the H200's host: every 8 rounds it cost 1.5% of a batch-1 round)
-CALIBRATE_EVERY = 64
+# Eager budget auto rewrites its round costs from measured rounds this often: its cost model times a verify
+# forward alone and leaves out the round's other launches. A graphed batch chooses with its captured rounds'
+# own times and does not calibrate unless told (DecodeBatch.calibrate_every): on the H200, calibrated graphed
+# batches ran 2-3% slower at batch 1 and chose no better at batch 32 (docs/perf.md, sixth pass).
+CALIBRATE_EVERY = 8
 # Graphed budget auto builds the cap's tree and chooses the next round's size on one round in this many; the
 # others build and verify just the chosen size, the same graph as that fixed budget's round (building at
 # the cap, the choice and its ride-along column cost ~8 us of a 0.4 ms round on the H200 at batch 1).
@@ -295,7 +297,8 @@ class DecodeBatch:
         self._auto_costs: dict[tuple[int, int], torch.Tensor] = {}  # static per (rows, cap): graphs read them
         self._pinned: dict[tuple[int, int], torch.Tensor] = {}  # host staging of calibrated costs (GPU)
         self._calibrated_rounds = 0
-        self.calibrate_every = CALIBRATE_EVERY  # rounds between rewrites of auto's costs (tests lower it)
+        # rounds between rewrites of auto's costs from measured rounds; 0: never (graphed, see CALIBRATE_EVERY)
+        self.calibrate_every = CALIBRATE_EVERY if self.graphs is None else 0
         self._rounds_ahead = 0  # graphed auto rounds run on a size chosen ahead (every CHOOSE_EVERY-th chooses)
         self.rows: list[_Row] = []
         # budget auto: the round cost model (measured once per engine, or loaded from a profile)
@@ -557,9 +560,9 @@ class DecodeBatch:
         elif graphed and costs is not None:  # a first auto round seeds the next with its own choice
             self._next_budget = budget
         self.timer.stop()  # the calibration's host time is no stage's
-        # budget auto learns what rounds take: a graphed round that captured nothing, past the first (which
-        # reads b* back with a second sync), or any eager round
-        if self.calibration is not None and (ahead or not graphed) and (
+        # budget auto learns what rounds take (when calibrating): a graphed round that captured nothing, past
+        # the first (which reads b* back with a second sync), or any eager round
+        if self.calibration is not None and self.calibrate_every and (ahead or not graphed) and (
                 self.graphs is None or self.graphs.captures == captures):
             self._calibrate(m, cap, budget, time.perf_counter() - started)
         self._clear_padding(n, m)
@@ -710,7 +713,7 @@ class DecodeBatch:
                         choosing = timed[("round", rows, size, sampled, True)]
                         seconds[size - 1] = plain + (choosing - plain) / CHOOSE_EVERY
                     self._round_tables[(rows, cap)] = seconds
-                    if self.device.type == "cuda":
+                    if self.device.type == "cuda" and self.calibrate_every:
                         self._pinned_staging(rows, cap)
                     self._round_costs(rows, cap, graphed=True).copy_(torch.tensor(seconds, dtype=torch.float32))
                 self._sizes_captured.add((rows, sampled))

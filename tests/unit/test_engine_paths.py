@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ddtree.engine as engine_module
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
-from ddtree.engine import CHOOSE_EVERY, DecodeBatch, Engine, Request
+from ddtree.engine import CALIBRATE_EVERY, CHOOSE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import triton_available
@@ -306,6 +307,25 @@ def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monke
         assert sizes == [12 if choosing else size], f"round {j}: built {sizes}"
         if j % CHOOSE_EVERY != 1 and j > 0:  # only a choosing round hands on a new size
             assert size == ahead[j - 1][0][2], f"round {j}"
+
+
+def test_graphed_auto_does_not_calibrate_unless_told(sdpa_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graphed batch chooses with its captured rounds' own times: no round feeds the calibration and the
+    costs stay the timed table (an eager batch calibrates every CALIBRATE_EVERY rounds)."""
+    kernel = _with_attention(sdpa_engine, "reference")
+    spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
+    assert kernel.open_batch(spec, max_batch=2, max_len=160).calibrate_every == CALIBRATE_EVERY > 0  # eager
+    monkeypatch.setattr(engine_module, "GraphCache", lambda device: _EagerGraphs())
+    kernel.cuda_graphs = True
+    b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
+    assert isinstance(b.graphs, _EagerGraphs) and b.calibrate_every == 0
+    batch = prompts(2, seed=9)
+    ref = [sdpa_engine.generate(p, 40, spec=AR).token_ids for p in batch]
+    assert _join_one_by_one(b, batch, [40, 40]) == ref
+    assert b.budget_rounds > 2 and b._calibrated_rounds == 0
+    assert sorted(b._round_tables) == [(1, 12), (2, 12)]
+    for (rows, cap), seconds in b._round_tables.items():
+        assert b._round_costs(rows, cap, True).tolist() == pytest.approx(seconds), f"rows {rows}"
 
 
 def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
