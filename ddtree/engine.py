@@ -71,8 +71,8 @@ ROUND_TIMING_REPEATS = 5
 # batches ran 2-3% slower at batch 1 and chose no better at batch 32 (docs/perf.md, sixth pass).
 CALIBRATE_EVERY = 8
 # Graphed budget auto builds the cap's tree and chooses the next round's size on one round in this many; the
-# others build and verify just the chosen size, the same graph as that fixed budget's round (building at
-# the cap, the choice and its ride-along column cost ~8 us of a 0.4 ms round on the H200 at batch 1).
+# others build and verify just the chosen size, the same graph as that fixed budget's round (a choosing
+# round replayed 7 us slower than a plain one, 417 vs 410 us, on the H200 at batch 1; docs/perf.md).
 CHOOSE_EVERY = 4
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-measure (e.g. after a 1-row warm-up)
