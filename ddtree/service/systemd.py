@@ -10,8 +10,11 @@ start(spec) issues, in order:
     sudo journalctl -u UNIT -n 0 --show-cursor  the journal cursor before the restart
     sudo systemctl restart UNIT
 
-so log_since_start() is `journalctl --after-cursor CURSOR`: only this start's lines. Every
-command goes through `runner`, which tests replace with a simulated host.
+so log_since_start() is `journalctl --after-cursor CURSOR`: only this start's lines. `sudo -n`
+is left out when the ssh user is root (probed once with `id -u`); a user who is not root and has
+no passwordless sudo gets a ServiceError before anything changes. `ssh -F CONFIG` carries the
+port, identity and known hosts. Every command goes through `runner`, which tests replace with a
+simulated host.
 """
 
 from __future__ import annotations
@@ -225,7 +228,8 @@ class SystemdBackend:
         *,
         runner: Runner | None = None,
         base_url: str | None = None,
-        sudo: bool = True,
+        sudo: bool | None = None,
+        ssh_config: str | None = None,
         query_server_info: bool = True,
         log: Callable[[str], None] = lambda _: None,
     ) -> None:
@@ -235,7 +239,8 @@ class SystemdBackend:
         self.unit = unit
         self.runner: Runner = runner or subprocess_runner
         self._base_url = base_url.rstrip("/") if base_url else None
-        self.sudo = sudo
+        self.sudo = sudo  # None: probed on the first privileged command (root needs none)
+        self.ssh_config = ssh_config
         self.query_server_info = query_server_info
         self.log = log
         self.deployment: Deployment | None = None
@@ -243,10 +248,33 @@ class SystemdBackend:
 
     # -- commands --------------------------------------------------------------------------------
     def _argv(self, argv: Sequence[str], privileged: bool = False) -> list[str]:
-        argv = (["sudo", "-n"] if privileged and self.sudo else []) + list(argv)
+        argv = (["sudo", "-n"] if privileged and self._privileged() else []) + list(argv)
         if self.ssh_host is None:
             return argv
-        return ["ssh", "-o", "BatchMode=yes", self.ssh_host, shlex.join(argv)]
+        config = ["-F", str(self.ssh_config)] if self.ssh_config else []  # port, identity, known hosts
+        return ["ssh", "-o", "BatchMode=yes", *config, self.ssh_host, shlex.join(argv)]
+
+    def _privileged(self) -> bool:
+        """Whether root's commands need `sudo -n`: no for root, yes for anyone else whose sudo
+        works without a password; otherwise a ServiceError before anything is changed."""
+        if self.sudo is None:
+            where = f"{self.name} {self.unit} on {self.ssh_host or 'localhost'}"
+            uid = self._run(["id", "-u"]).stdout.strip()
+            if uid == "0":
+                self.sudo = False
+            else:
+                self.sudo = True
+                probe = self.runner(self._argv(["true"], privileged=True), None)
+                if probe.returncode != 0:
+                    self.sudo = None
+                    detail = (probe.stderr.strip() or probe.stdout.strip()).splitlines()[-1:] or [""]
+                    missing = probe.returncode == 127 or "not found" in detail[0]
+                    why = "sudo is not installed there" if missing else f"`sudo -n true` failed: {detail[0]}"
+                    raise ServiceError(
+                        f"{where}: the ssh user (uid {uid or '?'}) is not root and {why}; editing the unit, "
+                        f"systemctl and journalctl need root: connect as root (--ssh-host root@HOST) or give "
+                        f"this user passwordless sudo (a NOPASSWD sudoers rule)")
+        return bool(self.sudo)
 
     def _run(self, argv: Sequence[str], *, privileged: bool = False, stdin: str | None = None,
              check: bool = True) -> CommandResult:
@@ -303,7 +331,7 @@ class SystemdBackend:
 
     def _write(self, path: str, text: str) -> None:
         # Write to a temp file as the ssh user, then move it into place as root in one step.
-        sudo = "sudo -n " if self.sudo else ""
+        sudo = "sudo -n " if self._privileged() else ""
         q = shlex.quote(path)
         script = (f'tmp=$(mktemp /tmp/ddtree-unit.XXXXXX) && cat > "$tmp" && chmod 0644 "$tmp" && '
                   f'{sudo}chown root:root "$tmp" && {sudo}mv "$tmp" {q}')
