@@ -45,7 +45,16 @@ HELP = {
     "resume": "skip cells whose result file already exists in --results-dir",
     "service_hosts": "comma-separated hosts, one per xdist worker (worker i takes host i)",
     "max_context": "model context length used to drop impossible cells (default: the target's config.json)",
+    "server_dialect": "kind of server: a built-in dialect (ddtree, sglang-dflash, sglang-ddtree) or a path to a dialect "
+                      "YAML file; maps each SpecConfig knob to a flag or an environment variable (default: ddtree)",
+    "tokenize": "how prompt tokens are counted: local (the target's tokenizer.json), service (the service's /tokenize) "
+                "or auto (local when --model-path has a tokenizer.json, else service; the default)",
+    "ssh_config": "ssh config file for --ssh-host (ssh -F PATH: port, identity, known hosts)",
+    "start_retries": "extra start attempts for a config whose start failed, 0 or 1 (default 1)",
 }
+SUITE_INI = "ddtree_suite"
+SUITE_INI_HELP = "true: this project runs the ddtree suite (its hooks act even without a ddtree option)"
+TOKENIZE_MODES = ("auto", "local", "service")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -74,7 +83,36 @@ def add_options(parser: pytest.Parser) -> None:
     opt("resume", ini=False, action="store_true", default=False)
     opt("service-hosts", metavar="H1,H2,...")
     opt("max-context", ini=False, metavar="TOKENS")
+    opt("server-dialect", metavar="NAME|PATH")
+    opt("tokenize", metavar="|".join(TOKENIZE_MODES))
+    opt("ssh-config", metavar="PATH")
+    opt("start-retries", metavar="N")
+    parser.addini(SUITE_INI, SUITE_INI_HELP, type="bool", default=False)
 
+
+def option_flags(parser: pytest.Parser) -> list[str]:
+    """Every long flag of the ddtree group (the rootdir repair looks for them)."""
+    group = parser.getgroup("ddtree")
+    return [name for option in group.options for name in option.names() if name.startswith("--")]
+
+
+def suite_requested(config: pytest.Config) -> bool:
+    """True when this run is the suite's: the ini says so, or a ddtree flag or ini key was given.
+
+    Otherwise (another project's run with ddtree installed) every hook of the plugin stays inert.
+    """
+    if config.getini(SUITE_INI):
+        return True
+    for name, value in vars(config.option).items():
+        if name.startswith("ddtree_") and value not in (None, False):
+            return True
+    for key in HELP:
+        try:
+            if config.getini(f"ddtree_{key}"):
+                return True
+        except ValueError:  # flags without an ini key
+            continue
+    return False
 
 @dataclass
 class SuiteOptions:

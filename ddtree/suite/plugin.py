@@ -1,13 +1,21 @@
 """The pytest plugin that turns a configuration grid into a test run.
 
-Loaded by the root conftest (or `-p ddtree.suite.plugin`). It owns the options, the report
+Installed as the pytest11 entry point `ddtree` (pyproject), so its options exist before pytest
+reads the command line, from any directory and with any paths (`-p no:ddtree` turns it off). It
+is inert unless the run is the suite's: the ini sets `ddtree_suite = true` (this repository's
+pyproject does) or a ddtree option is given. Otherwise no option is required, nothing is
+deselected or reordered, no fixture is registered and every hook returns at once.
+
+When active it owns the options, the report
 header, cell parametrization, the order of collected items (each server config deployed once),
 opt-in selection of perf items, xdist wiring and the end-of-run summary. The fixtures
 (`service`, `deployed`, ...) live in ddtree.suite.fixtures.
 
 Selection: perf items are measurements (minutes per config, numbers that depend on the machine),
 so a bare `pytest` deselects them (and says so); they are selected when `-m` mentions perf, when
---config-grid is given, or when a path or node id inside their directory is named. Quality items
+--config-grid is given, or when a path or node id inside their directory is named. `bench` items
+(the tree core's CPU micro-benchmarks, the server throughput bench) are opt-in the same way but
+only by `-m bench` or by naming their file, so `-m perf` is the sweep alone. Quality items
 (the lossless check and the coding gate on the smoke grid) run in a bare `pytest` against the
 embedded service: they are correctness, and take well under a minute with the fixture models.
 
@@ -32,19 +40,33 @@ from ddtree.bench.report import write_sweep_summary
 from ddtree.bench.results import write_summary_csv
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, Expansion, parametrize, sort_items
 from ddtree.suite.floors import write_floors
-from ddtree.suite.options import add_options, parse_options
-from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_options, suite_state
+from ddtree.suite.options import add_options, option_flags, parse_options, suite_requested
+from ddtree.suite.rootdir import redo_ini_setup
+from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_active, suite_options, suite_state
 
-pytest_plugins = ["ddtree.suite.fixtures"]
+# Sibling plugin modules that add options (loaded with this one, inert like it); the fixtures
+# module is registered only in the suite's own runs (pytest_configure).
+pytest_plugins: list[str] = []
+FIXTURES_MODULE = "ddtree.suite.fixtures"
 
-OPT_IN_MARKERS = ("perf",)
+OPT_IN_MARKERS = ("perf", "bench")
+SUITE_MARKERS = {
+    "perf": "the sweep: one test per grid cell (config x context x concurrency), measured against its floor",
+    "bench": "benchmarks outside the sweep (tree core CPU micro-benchmarks, server throughput); opt-in",
+    "quality": "output-quality gates: coding pass@k, lossless check, acceptance floor",
+}
 SUMMARY_TITLE = "ddtree sweep"
-OPT_IN_NOTE = ("deselected {n} perf items: measurements are opt-in; select them with -m perf, "
-               "--config-grid NAME or by naming their folder")
+OPT_IN_NOTE = ("deselected {n} perf/bench items: measurements are opt-in; select them with -m perf "
+               "(the sweep), -m bench, --config-grid NAME or by naming their folder (bench: their file)")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the initial conftests load from the rootdir
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    redo_ini_setup(early_config, parser, args, option_flags(parser))
 
 
 def _choose_loadgroup(config: pytest.Config) -> None:
@@ -65,11 +87,16 @@ def _choose_loadgroup(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    _choose_loadgroup(config)
+    if suite_requested(config):
+        _choose_loadgroup(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not suite_requested(config):
+        return
     _choose_loadgroup(config)
+    for name, text in SUITE_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
     config.addinivalue_line("markers", "xdist_group(name): cells of one server config share a worker")
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     results_dir = Path(workerinput["ddtree_results_dir"]) if workerinput and "ddtree_results_dir" in workerinput else None
@@ -78,6 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
     options = parse_options(config, results_dir)
     config.stash[OPTIONS_KEY] = options
     config.stash[STATE_KEY] = SuiteState(Expansion.of(options.grid, options.max_context))
+    if not config.pluginmanager.has_plugin(FIXTURES_MODULE):
+        config.pluginmanager.import_plugin(FIXTURES_MODULE)
 
 
 # -- xdist (optional hooks: absent without the xdist plugin) ----------------------------------------
@@ -85,12 +114,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
+    if not suite_active(node.config):
+        return
     node.workerinput["ddtree_results_dir"] = str(suite_options(node.config).results_dir)
     node.workerinput["ddtree_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
+    if not suite_active(node.config):
+        return
     wire = getattr(node, "workeroutput", {}).get("ddtree")
     if wire:
         suite_state(node.config).absorb(wire)
@@ -100,6 +133,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not suite_active(config):
+        return []
     o = suite_options(config)
     e = suite_state(config).expansion
     return [
@@ -112,6 +147,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if not suite_active(metafunc.config):
+        return
     if CELL_ARG in metafunc.fixturenames or CONFIG_ARG in metafunc.fixturenames:
         parametrize(metafunc, suite_state(metafunc.config).expansion)
 
@@ -119,9 +156,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _opted_in(config: pytest.Config, item: pytest.Item, marker: str) -> bool:
     if re.search(rf"\b{marker}\b", config.option.markexpr or ""):
         return True
-    if suite_options(config).grid_explicit:
+    if marker == "perf" and suite_options(config).grid_explicit:
         return True
-    folder = item.path.parent
+    folder = item.path.parent if marker == "perf" else item.path  # a bench opts in by its file
     for arg in config.args:
         target = Path(arg.split("::")[0])
         target = target if target.is_absolute() else config.invocation_params.dir / target
@@ -132,6 +169,8 @@ def _opted_in(config: pytest.Config, item: pytest.Item, marker: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not suite_active(config):
+        return
     kept, dropped = [], []
     for item in items:
         needs = [m for m in OPT_IN_MARKERS if item.get_closest_marker(m)]
@@ -156,6 +195,8 @@ def _is_worker(config: pytest.Config) -> bool:
 @pytest.hookimpl(trylast=True)  # after the session fixtures (the service) are torn down
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
+    if not suite_active(config):
+        return
     state, options = suite_state(config), suite_options(config)
     if _is_worker(config):
         config.workeroutput["ddtree"] = state.to_wire()  # type: ignore[attr-defined]
@@ -193,6 +234,8 @@ def _merged_restore(state: SuiteState, default_id: str) -> dict[str, Any] | None
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not suite_active(config):
+        return
     state, options = suite_state(config), suite_options(config)
     if not (state.service_used or state.expansion.removed or state.opt_in_deselected):
         return

@@ -46,6 +46,11 @@ OPTIONS_KEY = pytest.StashKey[SuiteOptions]()
 STATE_KEY = pytest.StashKey[SuiteState]()
 
 
+def suite_active(config: pytest.Config) -> bool:
+    """True in the suite's own runs; False in other projects' runs, where every hook stays inert."""
+    return OPTIONS_KEY in config.stash
+
+
 def suite_options(config: pytest.Config) -> SuiteOptions:
     return config.stash[OPTIONS_KEY]
 

@@ -4,7 +4,7 @@ The heap path is the per-request reference in a Python loop over rows (build_tre
 follow_tree); the batched path is build_trees, compile_trees, follow_trees on the whole batch.
 Compare within a group (same bs, budget, topk, L):
 
-    python -m pytest tests/kernels/test_tree_bench.py -m perf --benchmark-group-by=group
+    python -m pytest tests/kernels/test_tree_bench.py --benchmark-group-by=group
 
 `python -m ddtree.tree` prints the same comparison as a per-request table (docs/perf.md).
 """
@@ -23,7 +23,7 @@ from ddtree.tree import (
     follow_trees,
 )
 
-pytestmark = [pytest.mark.perf, pytest.mark.kernels]
+pytestmark = [pytest.mark.bench, pytest.mark.kernels]
 
 VOCAB = 32000
 ROUNDS = 5

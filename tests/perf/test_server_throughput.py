@@ -21,7 +21,7 @@ import pytest
 
 from tests.unit.tiny_server import launched, save_tiny_pair
 
-pytestmark = pytest.mark.perf
+pytestmark = pytest.mark.bench
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 CONCURRENCY = (1, 8, 32)
