@@ -18,17 +18,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.baseline import (
+    DEFAULT_TOLERANCE,
+    Comparison,
+    cell_key,
+    compare_runs,
+    is_results_dir,
+    read_baseline_record,
+    render_header,
+)
 from ddtree.bench.results import (
     CellResult,
     atomic_write_text,
     read_cells,
+    read_quality,
     read_restore,
     write_restore,
     write_summary_csv,
@@ -148,10 +157,11 @@ def _quality(cell: CellResult) -> str:
     return f"{q['pass_at_k']:.3f} (k={q.get('k')}, n={q.get('n')})"
 
 
-def _table(cells: Sequence[CellResult], default_id: str) -> list[str]:
+def _table(cells: Sequence[CellResult], default_id: str, comparison: Comparison | None = None) -> list[str]:
+    extra = (" vs baseline |", "---|") if comparison else ("", "")
     lines = [
-        "| config | output tok/s (median ± MAD) | TPOT ms | TTFT ms | accept len | coding pass@k | failed |",
-        "|---|---|---|---|---|---|---|",
+        "| config | output tok/s (median ± MAD) | TPOT ms | TTFT ms | accept len | coding pass@k | failed |" + extra[0],
+        "|---|---|---|---|---|---|---|" + extra[1],
     ]
     ranked = sorted(cells, key=lambda c: (-(c.metrics.get("output_throughput") or 0.0), c.config_id))
     for c in ranked:
@@ -161,6 +171,7 @@ def _table(cells: Sequence[CellResult], default_id: str) -> list[str]:
             f"| {name} | {_pm(m, 'output_throughput')} | {_pm(m, 'median_tpot_ms', 2)} | "
             f"{_pm(m, 'median_ttft_ms')} | {_num(m.get('accept_length'), 2)} | {_quality(c)} | "
             f"{m.get('failed', 0)}/{(m.get('completed') or 0) + (m.get('failed') or 0)} |"
+            + (f" {comparison.column(cell_key(c))} |" if comparison else "")
         )
     return lines
 
@@ -179,11 +190,13 @@ def restore_line(restore: dict[str, Any] | None) -> str:
     return f"Restore: default {config_id} **FAILED**: {error} (checked: {checked or 'nothing'})."
 
 
-def render_summary(cells: Sequence[CellResult], default_id: str,
-                   restore: dict[str, Any] | None) -> str:
+def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[str, Any] | None,
+                   comparison: Comparison | None = None, baseline: dict[str, Any] | None = None) -> str:
+    """The summary; with a `comparison` (and its baseline.json `baseline`) a vs-baseline part too."""
     lines = ["# Sweep summary", ""]
     if not cells:
-        return "\n".join([*lines, "No cells were measured.", "", restore_line(restore), ""])
+        return "\n".join([*lines, "No cells were measured.", "", restore_line(restore), "",
+                          *_baseline_part(comparison, baseline)])
     commits = sorted({c.commit for c in cells})
     gpus = sorted({c.gpu or "none (CPU)" for c in cells})
     backends = sorted({c.backend for c in cells})
@@ -208,37 +221,57 @@ def render_summary(cells: Sequence[CellResult], default_id: str,
     else:
         note = "keep the current default" if recommended == default_id else f"replaces {default_id}"
         lines.append(f"- Recommended default: **{recommended}** ({note})")
-    lines += ["", restore_line(restore), ""]
+    lines += ["", restore_line(restore), "", *_baseline_part(comparison, baseline)]
     groups: dict[tuple[int, int], list[CellResult]] = defaultdict(list)
     for c in cells:
         groups[(c.context, c.concurrency)].append(c)
     for (context, concurrency), group in sorted(groups.items()):
         lines += [f"## context {context}, concurrency {concurrency}", ""]
-        lines += _table(group, default_id)
+        lines += _table(group, default_id, comparison)
         lines.append("")
     return "\n".join(lines)
 
 
 def with_quality(results_dir: str | Path, cells: Sequence[CellResult]) -> list[CellResult]:
     """Attach the coding gate's result (quality/<config id>.json, written per config) to its cells."""
-    folder = Path(results_dir) / "quality"
-    gates: dict[str, dict[str, Any]] = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a readable quality record ({err})") from err
-        gates[str(record.get("config_id", path.stem))] = record
+    gates = read_quality(results_dir)
     return [c if c.quality or c.config_id not in gates else dataclasses.replace(c, quality=gates[c.config_id])
             for c in cells]
 
 
+def _baseline_part(comparison: Comparison | None, baseline: dict[str, Any] | None) -> list[str]:
+    if baseline is None:
+        return []
+    if comparison is None:
+        return ["## vs baseline", "", f"Baseline `{baseline.get('path')}` is not readable any more: "
+                f"{baseline.get('error', 'no cells')}.", ""]
+    return ["## vs baseline", "", *render_header(comparison, baseline)]
+
+
+def baseline_comparison(results_dir: Path) -> tuple[Comparison | None, dict[str, Any] | None]:
+    """The run's baseline.json and the comparison with it (None, record) when the baseline is gone."""
+    record = read_baseline_record(results_dir)
+    if record is None:
+        return None, None
+    baseline_dir = Path(record["path"])
+    if not is_results_dir(baseline_dir):
+        return None, {**record, "error": f"{baseline_dir} has no cells/ folder"}
+    tolerance = float(record.get("tolerance", DEFAULT_TOLERANCE))
+    return compare_runs(results_dir, baseline_dir, tolerance, record.get("gate_threshold")), record
+
+
 def write_sweep_summary(results_dir: str | Path, default_config_id: str,
                         restore: dict[str, Any] | None) -> Path:
-    """Write sweep_summary.md from the cell files; a given `restore` is also kept in restore.json."""
+    """Write sweep_summary.md from the cell files; a given `restore` is also kept in restore.json.
+
+    With a baseline.json in the folder (a run with --baseline), the tables get a "vs baseline"
+    column and the summary a "what moved" list.
+    """
     if restore is not None:
         write_restore(results_dir, restore)
-    text = render_summary(with_quality(results_dir, read_cells(results_dir)), default_config_id, restore)
+    comparison, record = baseline_comparison(Path(results_dir))
+    text = render_summary(with_quality(results_dir, read_cells(results_dir)), default_config_id, restore,
+                          comparison, record)
     path = Path(results_dir) / SUMMARY_MD
     atomic_write_text(path, text)
     return path

@@ -33,6 +33,7 @@ SCHEMA_VERSION = 1
 CELLS_DIR = "cells"
 SUMMARY_CSV = "summary.csv"
 RESTORE_JSON = "restore.json"
+QUALITY_DIR = "quality"  # quality/<config id>.json, written by the coding gate
 
 
 @dataclass
@@ -231,3 +232,18 @@ def read_restore(results_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_quality(results_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The coding gate's records (quality/<config id>.json) by config id; temp files are ignored."""
+    folder = Path(results_dir) / QUALITY_DIR
+    gates: dict[str, dict[str, Any]] = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.name.startswith("."):
+            continue
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable quality record ({err})") from err
+        gates[str(record.get("config_id", path.stem))] = record
+    return gates

@@ -1,0 +1,424 @@
+"""Comparing a run with a baseline run: per-cell verdicts that respect noise, gates, what moved.
+
+Reads result files only (two results directories), like report.py. The pytest side
+(`--baseline DIR|latest`, ddtree.suite.baseline) and `ddtree sweep-report --compare OLD NEW` both
+end up in `compare_runs`.
+
+A cell is the same (config id, context, concurrency) on both sides. For each judged metric
+(output tok/s and acceptance length, both higher-is-better) the verdict is:
+
+    regressed  ratio of medians < 1 - tolerance  and the two spreads do not overlap
+    improved   ratio of medians > 1 + tolerance  and the two spreads do not overlap
+    same       otherwise (inside the tolerance, or inside the noise)
+
+A side's spread is the range of its repeats (median ± MAD when the per-repeat values are gone).
+For tok/s it is widened to at least ± NOISE_SIGMAS sigmas of the baseline run's typical noise:
+sigma = 1.4826 x the median over the baseline's cells of MAD / median (the normal-consistent
+sigma of a MAD). Two repeats that happened to agree on a shared machine do not make a cell look
+precise when the run as a whole was not; and since the baseline is a finished run, a cell can be
+judged the moment it is measured, with the same answer the end-of-run summary gives. Acceptance
+length does not depend on the machine's load (same prompts, same tokens at temperature 0), so
+its spread is its repeats' own range. A coding gate that passed in the
+baseline and fails now is a regression whatever the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
+
+BASELINE_JSON = "baseline.json"
+COMPARE_MD = "vs_baseline.md"
+DEFAULT_TOLERANCE = 0.10
+LATEST = "latest"
+
+MAD_TO_SIGMA = 1.4826  # a normal distribution's sigma / MAD
+# Each side of a tok/s comparison spans at least +-2 sigmas of the baseline's typical noise, so two
+# runs must differ by about 4 sigmas of one run before the spreads part. On the 2 shared CPU cores
+# of the smoke grid (2 repeats, MAD ~5% of the median) that is +-15% a side: back-to-back runs stay
+# green, a 50% faster baseline does not.
+NOISE_SIGMAS = 2.0
+
+# (metric key, label, digits, widened by the machine's noise): judged, higher is better.
+JUDGED = (("output_throughput", "output tok/s", 1, True), ("accept_length", "accept length", 2, False))
+Key = tuple[str, int, int]  # (config id, context, concurrency)
+
+
+def cell_key(cell: CellResult) -> Key:
+    return (cell.config_id, cell.context, cell.concurrency)
+
+
+def key_text(key: Key) -> str:
+    return f"{key[0]} @ ctx{key[1]} c{key[2]}"
+
+
+def check_tolerance(value: float, where: str) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{where}: tolerance {value!r} is not in [0, 1) (a fraction, e.g. 0.1)")
+    return value
+
+
+# -- finding the baseline -----------------------------------------------------------------------
+
+def is_results_dir(path: Path) -> bool:
+    return (path / CELLS_DIR).is_dir()
+
+
+def run_time(results_dir: Path) -> str:
+    """When a run started: its earliest cell start (ISO 8601), else the cells folder's mtime."""
+    stamps = [c.started_at or c.finished_at for c in read_cells(results_dir)]
+    stamps = [s for s in stamps if s]
+    if stamps:
+        return min(stamps)
+    mtime = (results_dir / CELLS_DIR).stat().st_mtime
+    return datetime.fromtimestamp(mtime, UTC).isoformat(timespec="seconds")
+
+
+def resolve_baseline(arg: str, results_dir: Path) -> Path:
+    """DIR as given, or `latest`: the newest other results directory beside `results_dir`.
+
+    Raises ValueError naming what was looked at when there is nothing to compare with.
+    """
+    if arg != LATEST:
+        path = Path(arg)
+        if not is_results_dir(path):
+            raise ValueError(f"--baseline: {path} is not a results directory (it has no {CELLS_DIR}/ folder)")
+        return path.resolve()
+    parent = results_dir.resolve().parent
+    own = results_dir.resolve()
+    runs = [p for p in sorted(parent.iterdir()) if p.is_dir() and p.resolve() != own and is_results_dir(p)
+            and any((p / CELLS_DIR).glob("*.json"))] if parent.is_dir() else []
+    if not runs:
+        raise ValueError(f"--baseline latest: no earlier results directory (with {CELLS_DIR}/*.json) "
+                         f"beside {results_dir} in {parent}")
+    return max(runs, key=lambda p: (run_time(p), p.name)).resolve()
+
+
+def _one(values: Sequence[str | None], none: str) -> str:
+    distinct = sorted({v or none for v in values})
+    return ", ".join(distinct) if distinct else none
+
+
+def run_identity(cells: Sequence[CellResult]) -> dict[str, str]:
+    """The commit(s), GPU(s) and backend(s) of a run's cells, as one string each."""
+    return {"commit": _one([c.commit for c in cells], "unknown"),
+            "gpu": _one([c.gpu for c in cells], "none (CPU)"),
+            "backend": _one([c.backend for c in cells], "unknown")}
+
+
+def baseline_record(baseline_dir: Path, requested: str, tolerance: float) -> dict[str, Any]:
+    """What the run keeps about its baseline in baseline.json (see docs/results.md)."""
+    cells = read_cells(baseline_dir)
+    return {"path": str(baseline_dir), "requested": requested, "tolerance": tolerance,
+            "started_at": run_time(baseline_dir), "cells": len(cells), **run_identity(cells),
+            "recorded_at": now_iso()}
+
+
+def write_baseline_record(results_dir: Path, record: dict[str, Any]) -> Path:
+    path = results_dir / BASELINE_JSON
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_baseline_record(results_dir: Path) -> dict[str, Any] | None:
+    path = results_dir / BASELINE_JSON
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "path" not in data:
+        raise ValueError(f"{path}: expected a JSON object with a 'path' key")
+    return data
+
+
+# -- spreads and verdicts -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Spread:
+    """A side's median and the interval its noise allows; `how` says where the interval came from."""
+
+    median: float
+    lo: float
+    hi: float
+    how: str  # "repeats a-b", "MAD", "run noise"
+
+    def text(self, digits: int) -> str:
+        return f"{self.median:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
+
+
+def _repeat_values(cell: CellResult, metric: str) -> list[float]:
+    values = [r.get(metric) for r in cell.per_repeat]
+    return [float(v) for v in values if isinstance(v, (int, float))]
+
+
+def run_noise(cells: Sequence[CellResult], metric: str) -> float:
+    """The run's typical relative sigma of `metric`: 1.4826 x the median over cells of MAD / median."""
+    rel = []
+    for c in cells:
+        median, mad = c.metrics.get(metric), c.metrics.get(f"{metric}_mad")
+        if c.repeats >= 2 and isinstance(median, (int, float)) and median > 0 and isinstance(mad, (int, float)):
+            rel.append(mad / median)
+    return MAD_TO_SIGMA * statistics.median(rel) if rel else 0.0
+
+
+def spread_of(cell: CellResult, metric: str, noise: float) -> Spread | None:
+    median = cell.metrics.get(metric)
+    if not isinstance(median, (int, float)):
+        return None
+    median = float(median)
+    values = _repeat_values(cell, metric)
+    if len(values) >= 2:
+        lo, hi, how = min(values), max(values), f"repeats {min(values):.4g}-{max(values):.4g}"
+    else:
+        mad = float(cell.metrics.get(f"{metric}_mad") or 0.0)
+        lo, hi, how = median - mad, median + mad, f"MAD {mad:.3g}"
+    half = NOISE_SIGMAS * noise * median
+    if median - half < lo or median + half > hi:
+        lo, hi = min(lo, median - half), max(hi, median + half)
+        how += f", widened to the baseline's noise ±{NOISE_SIGMAS * noise:.0%}"
+    return Spread(median, lo, hi, how)
+
+
+@dataclass(frozen=True)
+class MetricDelta:
+    metric: str
+    label: str
+    digits: int
+    current: Spread
+    baseline: Spread
+    tolerance: float
+
+    @property
+    def ratio(self) -> float:
+        return self.current.median / self.baseline.median if self.baseline.median else float("inf")
+
+    @property
+    def overlap(self) -> bool:
+        return self.current.lo <= self.baseline.hi and self.baseline.lo <= self.current.hi
+
+    @property
+    def verdict(self) -> str:
+        if self.ratio < 1 - self.tolerance and not self.overlap:
+            return "regressed"
+        if self.ratio > 1 + self.tolerance and not self.overlap:
+            return "improved"
+        return "same"
+
+    def text(self) -> str:
+        """measured, baseline, ratio, tolerance and both spreads, in one line."""
+        d = self.digits
+        noise = "spreads overlap" if self.overlap else "spreads do not overlap"
+        return (f"{self.label} {self.current.text(d)} vs baseline {self.baseline.text(d)}: "
+                f"ratio {self.ratio:.2f}, tolerance {self.tolerance:.0%}, {noise} "
+                f"(now: {self.current.how}; baseline: {self.baseline.how})")
+
+
+@dataclass(frozen=True)
+class CellDelta:
+    key: Key
+    deltas: tuple[MetricDelta, ...]
+
+    def of(self, metric: str) -> MetricDelta | None:
+        return next((d for d in self.deltas if d.metric == metric), None)
+
+    @property
+    def verdict(self) -> str:
+        verdicts = {d.verdict for d in self.deltas}
+        return "regressed" if "regressed" in verdicts else "improved" if "improved" in verdicts else "same"
+
+    def text(self, verdict: str) -> str:
+        parts = "; ".join(d.text() for d in self.deltas if d.verdict == verdict)
+        return f"{key_text(self.key)}: {verdict}: {parts}"
+
+
+@dataclass(frozen=True)
+class GateDelta:
+    """The coding gate of one config on both sides; `passed` None = unknown."""
+
+    config_id: str
+    current: float | None  # pass@k
+    baseline: float | None
+    current_passed: bool | None
+    baseline_passed: bool | None
+
+    @property
+    def verdict(self) -> str:
+        if self.current is None or self.baseline is None:
+            return "missing"
+        if self.baseline_passed and self.current_passed is False:
+            return "regressed"
+        if self.baseline_passed is None and self.current < self.baseline:  # no threshold known
+            return "regressed"
+        if self.baseline_passed is False and self.current_passed:
+            return "improved"
+        return "same"
+
+    def text(self) -> str:
+        def side(value: float | None, passed: bool | None) -> str:
+            state = {True: "passed", False: "FAILED", None: "no threshold"}[passed]
+            return "not run" if value is None else f"pass@k {value:.3f} ({state})"
+        return (f"coding gate {self.config_id}: {self.verdict}: now {side(self.current, self.current_passed)}, "
+                f"baseline {side(self.baseline, self.baseline_passed)}")
+
+
+def gate_passed(record: dict[str, Any], threshold: float | None) -> bool | None:
+    """A gate record's own `passed`, else pass@k against its `threshold` (or the given one)."""
+    if isinstance(record.get("passed"), bool):
+        return bool(record["passed"])
+    limit = record.get("threshold", threshold)
+    if limit is None or record.get("pass_at_k") is None:
+        return None
+    floor = record.get("accept_floor")
+    accept = record.get("accept_length")
+    accept_ok = floor is None or accept is None or accept >= floor
+    return bool(record["pass_at_k"] >= limit and accept_ok)
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    """Every cell and gate of a run against its baseline, and what differs between the two runs."""
+
+    tolerance: float
+    baseline_path: str
+    baseline: dict[str, str]  # run_identity of the baseline
+    current: dict[str, str]
+    cells: dict[Key, CellDelta] = field(default_factory=dict)
+    only_current: list[Key] = field(default_factory=list)  # new cells, no baseline
+    only_baseline: list[Key] = field(default_factory=list)  # measured before, missing now
+    gates: list[GateDelta] = field(default_factory=list)
+
+    @property
+    def regressed(self) -> list[CellDelta]:
+        return [d for d in self.cells.values() if d.verdict == "regressed"]
+
+    @property
+    def improved(self) -> list[CellDelta]:
+        return [d for d in self.cells.values() if d.verdict == "improved"]
+
+    @property
+    def gate_regressions(self) -> list[GateDelta]:
+        return [g for g in self.gates if g.verdict == "regressed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressed and not self.gate_regressions
+
+    def differences(self) -> list[str]:
+        """Sentences on what differs between the runs besides the numbers (another GPU, commit)."""
+        notes = []
+        for what, name in (("gpu", "GPU"), ("backend", "backend"), ("commit", "commit")):
+            if self.baseline.get(what) != self.current.get(what):
+                notes.append(f"{name} differs: baseline {self.baseline.get(what)}, now {self.current.get(what)}"
+                             + (" (compared anyway)" if what == "gpu" else ""))
+        return notes
+
+    def failures(self) -> list[str]:
+        return ([d.text("regressed") for d in self.regressed] + [g.text() for g in self.gate_regressions])
+
+    def moved(self) -> list[str]:
+        """The short "what moved" list: regressions, improvements, flipped gates, missing cells."""
+        lines = [f"REGRESSED {line}" for line in self.failures()]
+        lines += [f"improved {d.text('improved')}" for d in self.improved]
+        lines += [f"improved {g.text()}" for g in self.gates if g.verdict == "improved"]
+        if self.only_baseline:
+            lines.append(f"missing now ({len(self.only_baseline)}): "
+                         + ", ".join(key_text(k) for k in self.only_baseline))
+        if self.only_current:
+            lines.append(f"new, no baseline ({len(self.only_current)}): "
+                         + ", ".join(key_text(k) for k in self.only_current))
+        return lines
+
+    def column(self, key: Key) -> str:
+        """The summary table's "vs baseline" cell: tok/s ratio and verdict."""
+        delta = self.cells.get(key)
+        if delta is None:
+            return "new"
+        tps = delta.of("output_throughput")
+        ratio = f"{tps.ratio:.2f}x" if tps else "-"
+        verdict = delta.verdict
+        return f"{ratio} **{verdict.upper()}**" if verdict == "regressed" else f"{ratio} {verdict}"
+
+
+def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult], tolerance: float,
+                  *, baseline_path: str = "", current_gates: dict[str, dict[str, Any]] | None = None,
+                  baseline_gates: dict[str, dict[str, Any]] | None = None,
+                  gate_threshold: float | None = None) -> Comparison:
+    """Compare two runs' cells (and gate records) cell by cell; see the module docstring."""
+    check_tolerance(tolerance, "baseline")
+    out = Comparison(tolerance, baseline_path, run_identity(baseline), run_identity(current))
+    base = {cell_key(c): c for c in baseline}
+    cur = {cell_key(c): c for c in current}
+    # The baseline is a finished run, so its noise is known before the first cell of this one.
+    noise = {m: run_noise(baseline, m) if widen else 0.0 for m, _, _, widen in JUDGED}
+    for key in sorted(cur, key=lambda k: (k[1], k[2], k[0])):
+        if key not in base:
+            out.only_current.append(key)
+            continue
+        deltas = []
+        for metric, label, digits, _ in JUDGED:
+            now, before = spread_of(cur[key], metric, noise[metric]), spread_of(base[key], metric, noise[metric])
+            if now is not None and before is not None:
+                deltas.append(MetricDelta(metric, label, digits, now, before, tolerance))
+        out.cells[key] = CellDelta(key, tuple(deltas))
+    out.only_baseline = sorted((k for k in base if k not in cur), key=lambda k: (k[1], k[2], k[0]))
+    cur_g, base_g = current_gates or {}, baseline_gates or {}
+    for config_id in sorted(set(cur_g) | set(base_g)):
+        now_r, before_r = cur_g.get(config_id, {}), base_g.get(config_id, {})
+        out.gates.append(GateDelta(config_id, now_r.get("pass_at_k"), before_r.get("pass_at_k"),
+                                   gate_passed(now_r, gate_threshold) if now_r else None,
+                                   gate_passed(before_r, gate_threshold) if before_r else None))
+    return out
+
+
+def compare_runs(current_dir: Path, baseline_dir: Path, tolerance: float = DEFAULT_TOLERANCE,
+                 gate_threshold: float | None = None) -> Comparison:
+    """compare_cells on two results directories."""
+    return compare_cells(read_cells(current_dir), read_cells(baseline_dir), tolerance,
+                         baseline_path=str(baseline_dir), current_gates=read_quality(current_dir),
+                         baseline_gates=read_quality(baseline_dir), gate_threshold=gate_threshold)
+
+
+# -- markdown -----------------------------------------------------------------------------------
+
+def render_header(comparison: Comparison, record: dict[str, Any] | None = None) -> list[str]:
+    """The baseline's identity, the differences, and the "what moved" list (markdown lines)."""
+    c = comparison
+    b = c.baseline
+    lines = [f"Baseline `{c.baseline_path}`: commit {b['commit']}, GPU {b['gpu']}, backend {b['backend']}"
+             + (f", started {record['started_at']}" if record and record.get("started_at") else "")
+             + f"; tolerance {c.tolerance:.0%}; tok/s spreads at least ±{NOISE_SIGMAS:g} sigma of the baseline's noise.", ""]
+    lines += [f"- Note: {note}" for note in c.differences()]
+    verdict = "no regression" if c.ok else f"{len(c.regressed)} cells and {len(c.gate_regressions)} gates regressed"
+    lines += [f"- Verdict: **{verdict}** ({len(c.cells)} cells compared, {len(c.improved)} improved, "
+              f"{len(c.only_baseline)} missing now, {len(c.only_current)} new)", "", "### What moved", ""]
+    moved = c.moved()
+    lines += [f"- {line}" for line in moved] if moved else ["- nothing beyond tolerance and noise"]
+    return lines + [""]
+
+
+def render_comparison(comparison: Comparison, current_dir: str) -> str:
+    """vs_baseline.md: the header, then a table per (context, concurrency) of both sides."""
+    lines = [f"# {current_dir} vs baseline", "", *render_header(comparison)]
+    groups: dict[tuple[int, int], list[CellDelta]] = {}
+    for delta in comparison.cells.values():
+        groups.setdefault((delta.key[1], delta.key[2]), []).append(delta)
+    for (context, concurrency), deltas in sorted(groups.items()):
+        lines += [f"## context {context}, concurrency {concurrency}", "",
+                  "| config | tok/s now [spread] | tok/s baseline [spread] | ratio | accept now | accept baseline "
+                  "| verdict |", "|---|---|---|---|---|---|---|"]
+        for d in sorted(deltas, key=lambda d: d.key[0]):
+            tps, acc = d.of("output_throughput"), d.of("accept_length")
+            lines.append(
+                f"| {d.key[0]} | {tps.current.text(1) if tps else '-'} | {tps.baseline.text(1) if tps else '-'} | "
+                f"{f'{tps.ratio:.2f}' if tps else '-'} | {f'{acc.current.median:.2f}' if acc else '-'} | "
+                f"{f'{acc.baseline.median:.2f}' if acc else '-'} | {d.verdict} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""`--baseline` end to end: the smoke grid swept twice through the suite against the fake service.
+
+The first sweep is the baseline of the second (`--baseline latest`); then the first run's tok/s
+are doctored up a thousandfold and a third sweep against it must fail, naming the cells. The
+fake service's tok/s swing a lot on a shared machine, so these runs use a wide tolerance: the
+verdict rule itself is tested on synthetic folders in test_bench_baseline.py; this checks the
+plumbing (options, latest, per-cell failures, baseline.json, the summary, the terminal section).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ddtree.suite.baseline import SECTION
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = ["-p", "no:cacheprovider", "--service", "fake", "--device", "cpu", "--startup-timeout", "30",
+        "--config-grid", "smoke", "--baseline-tolerance", "0.9"]
+SMOKE_CELLS = 16  # fixtures/grids/smoke.yaml: 4 configs x 2 contexts x 2 concurrencies
+
+
+@pytest.fixture
+def suite_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A directory with the real root conftest and the real sweep test."""
+    for name in [n for n in os.environ if n.startswith("DDTREE_FAKE_")]:
+        monkeypatch.delenv(name)
+    pytester.makeconftest((REPO / "conftest.py").read_text())
+    perf = pytester.mkdir("tests").joinpath("perf")
+    perf.mkdir()
+    (perf / "test_sweep.py").write_text((REPO / "tests/perf/test_sweep.py").read_text())
+    return pytester
+
+
+def sweep(pytester: pytest.Pytester, results: str, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(*FAKE, "--results-dir", results, *args, timeout=240)
+
+
+def doctor(results: Path, factor: float) -> None:
+    """Multiply every tok/s of a run (median, MAD, each repeat) by `factor`, as if it had been faster."""
+    for path in (results / "cells").glob("*.json"):
+        data = json.loads(path.read_text())
+        for key in ("output_throughput", "output_throughput_mad"):
+            data["metrics"][key] *= factor
+        for repeat in data["per_repeat"]:
+            repeat["output_throughput"] *= factor
+        path.write_text(json.dumps(data))
+
+
+def test_a_second_smoke_sweep_is_judged_against_the_first(suite_dir: pytest.Pytester) -> None:
+    first = sweep(suite_dir, "runs/1-first")
+    first.assert_outcomes(passed=SMOKE_CELLS)
+
+    second = sweep(suite_dir, "runs/2-second", "--baseline", "latest")
+    second.assert_outcomes(passed=SMOKE_CELLS)
+    runs = suite_dir.path / "runs"
+    second.stdout.fnmatch_lines([f"ddtree baseline: {runs / '1-first'} (latest): {SMOKE_CELLS} cells, commit *",
+                                 f"*{SECTION}*", "verdict: no regression (16 cells compared)"])
+    record = json.loads((runs / "2-second" / "baseline.json").read_text())
+    assert record["path"] == str(runs / "1-first") and record["requested"] == "latest"
+    assert record["gpu"] == "none (CPU)" and record["backend"] == "fake" and record["tolerance"] == 0.9
+    summary = (runs / "2-second" / "sweep_summary.md").read_text()
+    assert "| vs baseline |" in summary and "### What moved" in summary and "**no regression**" in summary
+
+    doctor(runs / "1-first", 1000.0)
+    third = sweep(suite_dir, "runs/3-third", "--baseline", str(runs / "1-first"))
+    assert third.ret == pytest.ExitCode.TESTS_FAILED
+    third.stdout.fnmatch_lines([  # each cell's failure: measured, baseline, ratio, tolerance, spreads
+        f"regression against baseline {runs / '1-first'}: b8-k4-w2048-bs8 @ ctx60 c1: regressed: output tok/s * "
+        "vs baseline *: ratio 0.00, tolerance 90%, spreads do not overlap (now: repeats *; baseline: repeats *)",
+        f"*{SECTION}*",
+        "REGRESSED ar @ ctx60 c1: regressed: output tok/s * vs baseline *: ratio 0.00, tolerance 90%, "
+        "spreads do not overlap*",
+        "verdict: REGRESSION (16 cells compared)",
+    ])
+    failed = {line.split("[")[1].split("]")[0] for line in third.outlines if line.startswith("FAILED")}
+    assert len(failed) == SMOKE_CELLS, failed
+    assert "REGRESSED" in (runs / "3-third" / "sweep_summary.md").read_text()
+
+
+def test_latest_without_an_earlier_run_is_a_usage_error(suite_dir: pytest.Pytester) -> None:
+    result = sweep(suite_dir, "runs/only", "--baseline", "latest")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --baseline: --baseline latest: no earlier results directory *"])
+
+
+@pytest.mark.parametrize("value", ["1.5", "ten"])
+def test_a_bad_tolerance_is_a_usage_error(suite_dir: pytest.Pytester, value: str) -> None:
+    (suite_dir.path / "runs" / "old" / "cells").mkdir(parents=True)
+    result = suite_dir.runpytest_subprocess(*FAKE[:-2], "--baseline-tolerance", value, "--baseline",
+                                            str(suite_dir.path / "runs" / "old"), "--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --baseline-tolerance: '{value}' is not valid; expected a fraction in [0, 1)*"])
