@@ -5,6 +5,8 @@
     ddtree service verify      --budget 16 --backend url --url http://gpu1:30000
     ddtree service restore-default --backend systemd --ssh-host gpu1 --unit sglang
     ddtree sweep-report RESULTS_DIR
+    ddtree sweep-report --compare OLD NEW          exit 1 when NEW regressed against OLD
+    ddtree sweep-report --trend DIR... --out DIR   tok/s and acceptance across runs, by date
     ddtree train ...
 
 Exit status: 0 success, 1 the service failed (start, readiness or verification), 2 bad usage.
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the server: ddtree serve --model-path DIR ... (flags of ddtree.server)")
     sub.add_parser("train", help="train the fixture models (flags of ddtree.train.cli)")
     # sweep-report, like serve and train, passes its arguments to its own parser (main() above)
-    sub.add_parser("sweep-report", help="rebuild summary, CSV and plots of a results folder")
+    sub.add_parser("sweep-report", help="rebuild summary, CSV and plots of a results folder; "
+                   "--compare OLD NEW; --trend DIR...")
     service = sub.add_parser("service", help="reconfigure, verify or restore a serving config")
     actions = service.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in (("reconfigure", "deploy a config (restart), wait until ready, verify it"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.baseline import (
+    COMPARE_MD,
     DEFAULT_TOLERANCE,
     Comparison,
     cell_key,
+    check_tolerance,
     compare_runs,
     is_results_dir,
     read_baseline_record,
+    render_comparison,
     render_header,
 )
 from ddtree.bench.results import (
@@ -277,17 +281,72 @@ def write_sweep_summary(results_dir: str | Path, default_config_id: str,
     return path
 
 
+def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--compare OLD NEW: NEW/vs_baseline.md (and its plot); exit 1 when something regressed."""
+    old, new = args.compare
+    for where, path in (("OLD", old), ("NEW", new)):
+        if not is_results_dir(path):
+            parser.error(f"--compare {where}: {path} has no cells/ directory")
+    try:
+        tolerance = check_tolerance(args.tolerance, "--tolerance")
+    except ValueError as err:
+        parser.error(str(err))
+    comparison = compare_runs(new, old, tolerance, args.gate_threshold)
+    out = args.out or new
+    written = [out / COMPARE_MD]
+    atomic_write_text(written[0], render_comparison(comparison, str(new)))
+    if not args.no_plots:
+        from ddtree.bench.trend import plot_comparison  # matplotlib only when plotting
+
+        written.append(plot_comparison(comparison, out / "plots" / "vs_baseline.png"))
+    for path in written:
+        print(path)
+    for line in comparison.differences():
+        print(f"note: {line}")
+    for line in comparison.failures():
+        print(f"REGRESSED {line}", file=sys.stderr)
+    print(f"verdict: {'no regression' if comparison.ok else 'REGRESSION'} ({len(comparison.cells)} cells compared, "
+          f"{len(comparison.improved)} improved, {len(comparison.only_baseline)} missing now)")
+    return 0 if comparison.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`ddtree sweep-report RESULTS_DIR [--default ID] [--no-plots]`: CSV, summary and plots."""
+    """`ddtree sweep-report RESULTS_DIR | --compare OLD NEW | --trend DIR...` (see --help)."""
     parser = argparse.ArgumentParser(
         prog="ddtree sweep-report",
-        description="Rebuild summary.csv, sweep_summary.md and plots/ from a results directory.")
-    parser.add_argument("results_dir", type=Path)
+        description="Rebuild summary.csv, sweep_summary.md and plots/ from a results directory; or compare a "
+                    "run with a baseline run (--compare, exit 1 on a regression); or plot a trend over runs.")
+    parser.add_argument("results_dir", type=Path, nargs="?")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"),
+                        help="judge NEW's cells against OLD's: writes NEW/vs_baseline.md and NEW/plots/vs_baseline.png")
+    parser.add_argument("--trend", nargs="+", type=Path, metavar="DIR",
+                        help="runs to plot by date: writes OUT/trend.md and OUT/trend_ctx<C>_c<N>.png")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where --compare and --trend write (default: NEW for --compare, ./trend for --trend)")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help=f"--compare: fraction a median may drop before it can regress (default {DEFAULT_TOLERANCE:g})")
+    parser.add_argument("--gate-threshold", type=float, default=None,
+                        help="--compare: pass@k threshold for gate records that carry none")
     parser.add_argument("--default", dest="default_id", default=None,
                         help="the current default config id (default: restore.json's, else "
                              f"{DEFAULT_SPEC.id})")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = parser.parse_args(argv)
+    modes = [m for m in ("results_dir", "compare", "trend") if getattr(args, m)]
+    if len(modes) != 1:
+        parser.error("give one of RESULTS_DIR, --compare OLD NEW or --trend DIR...")
+    if args.compare:
+        return _compare(parser, args)
+    if args.trend:
+        from ddtree.bench.trend import write_trend  # matplotlib only when plotting
+
+        try:
+            written = write_trend(args.trend, args.out or Path("trend"))
+        except ValueError as err:
+            parser.error(str(err))
+        for path in written:
+            print(path)
+        return 0
     if not (args.results_dir / "cells").is_dir():
         parser.error(f"results_dir: {args.results_dir} has no cells/ directory")
     restore = read_restore(args.results_dir)
