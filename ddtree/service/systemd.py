@@ -311,6 +311,7 @@ class SystemdBackend:
         return text[span[0]:span[1]]
 
     def start(self, spec: SpecConfig) -> Deployment:
+        self._privileged()  # who cannot become root learns it before anything is read or changed
         path, _ = self._effective_file()
         self.unit_path = path
         original = self._run(["cat", path]).stdout
