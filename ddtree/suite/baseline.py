@@ -33,7 +33,7 @@ from ddtree.bench.baseline import (
 )
 from ddtree.bench.results import CELLS_DIR, CellResult, cell_filename, read_cells, read_quality
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG
-from ddtree.suite.state import OPTIONS_KEY, suite_options, suite_state
+from ddtree.suite.state import suite_active, suite_options, suite_state
 
 HELP = {
     "baseline": "compare every cell with an earlier results directory: DIR, or `latest` (the newest other "
@@ -102,7 +102,7 @@ def load_baseline(config: pytest.Config) -> Baseline | None:
 
 @pytest.hookimpl(trylast=True)  # after ddtree.suite.plugin has parsed the suite's options
 def pytest_configure(config: pytest.Config) -> None:
-    if OPTIONS_KEY in config.stash:  # inert unless the suite is active (its options were parsed)
+    if suite_active(config):  # inert in runs that are not the suite's: every other hook sees no baseline
         config.stash[BASELINE_KEY] = load_baseline(config)
 
 

@@ -46,7 +46,7 @@ from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_active,
 
 # Sibling plugin modules that add options (loaded with this one, inert like it); the fixtures
 # module is registered only in the suite's own runs (pytest_configure).
-pytest_plugins: list[str] = []
+pytest_plugins = ["ddtree.suite.baseline"]
 FIXTURES_MODULE = "ddtree.suite.fixtures"
 
 OPT_IN_MARKERS = ("perf", "bench")
