@@ -334,6 +334,9 @@ class Comparison:
         if self.only_current:
             lines.append(f"new, no baseline ({len(self.only_current)}): "
                          + ", ".join(key_text(k) for k in self.only_current))
+        one_sided = [g.config_id for g in self.gates if g.verdict == "missing"]
+        if one_sided:
+            lines.append(f"coding gate on one side only ({len(one_sided)}): " + ", ".join(one_sided))
         return lines
 
     def column(self, key: Key) -> str:

@@ -133,6 +133,9 @@ def test_missing_cells_are_listed_on_both_sides(tmp_path: Path) -> None:
     assert "missing now (2): ar @ ctx60 c1, ar @ ctx60 c4" in moved
     assert "new, no baseline (1): b8-k4-w2048-bs8 @ ctx512 c1" in moved
     assert comparison.ok  # listed, not failed
+    gates = compare_runs(write_run(tmp_path / "g-now", quiet_run(), {DEFAULT: {"pass_at_k": 1.0}}),
+                         write_run(tmp_path / "g-base", quiet_run()))
+    assert gates.ok and "coding gate on one side only (1): b8-k4-w2048-bs8" in gates.moved()
 
 
 @pytest.mark.parametrize(("before", "after", "verdict"), [
