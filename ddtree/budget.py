@@ -11,8 +11,8 @@ tree nodes for every row. Verify width is shared by the batch, so one b* is chos
 batch's summed gains. Because build_trees orders nodes by score with parents first, every prefix of
 the node list is a valid tree, so truncating to b* nodes keeps the round lossless.
 
-This module knows the engine only through `measure_verify_cost` (which times its forwards); the
-choice and the truncation are pure tensor code.
+This module knows no engine: `measure_verify_cost` times the forwards of the models it is handed (a
+`CostSubject`, which ddtree.engine.Engine is); the choice and the truncation are pure tensor code.
 """
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ddtree.cuda_graphs import GraphCache
 from ddtree.errors import ConfigError
 from ddtree.kernels import budget_choice, tree_ops
 from ddtree.tree import DraftTrees
 
-if TYPE_CHECKING:
-    from ddtree.engine import Engine
-
 __all__ = [
+    "CostSubject",
     "RoundCostCalibration",
     "VerifyCostModel",
     "choose_budget",
@@ -54,6 +53,20 @@ MEASURE_REPEATS = 3  # the median of this many timed runs per cell (after one wa
 # the last ten rounds count): long enough to average one tree's noise away, short enough to follow a batch
 # whose requests change.
 GAIN_SMOOTHING = 0.1
+
+
+class CostSubject(Protocol):
+    """What `measure_verify_cost` times: a target (and drafter) run the way a decode batch runs them."""
+
+    device: torch.device
+    target: Any  # ddtree.models.target.Target
+    drafter: Any  # ddtree.models.dflash.DFlashDrafter, or None (no draft cost)
+    attention: str  # verify attention backend, as the engine resolved it
+    cuda_graphs: bool  # time replays of captured forwards, as graphed rounds run them
+    tap_layers: list[int] | None
+    vocab_size: int
+    mask_token_id: int | None
+    max_context: int
 
 
 def _monotone(values: np.ndarray, axis: int) -> np.ndarray:
@@ -297,8 +310,6 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int, graphed
             torch.cuda.synchronize(device)
 
     if graphed:
-        from ddtree.cuda_graphs import GraphCache
-
         graphs, eager = GraphCache(device), fn
         fn = functools.partial(graphs.run, "timed", eager)
     fn()  # warm-up (allocator, kernels; the capture when graphed), left out
@@ -313,10 +324,10 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int, graphed
 
 
 @torch.inference_mode()
-def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts: Sequence[int], context: int,
+def measure_verify_cost(engine: CostSubject, batch_sizes: Sequence[int], node_counts: Sequence[int], context: int,
                         *, block_size: int = 8, draft_window: int | None = None, topk: int = 4,
                         repeats: int = MEASURE_REPEATS) -> VerifyCostModel:
-    """Time the engine's target verify (and drafter + build) forwards on a `context`-token prefix.
+    """Time `engine`'s target verify (and drafter + build) forwards on a `context`-token prefix.
 
     The caches are not filled by a prefill: their lengths are set to `context` and the stored K/V
     stays zero, since the time of a forward does not depend on the values it attends to. Forwards run
@@ -354,7 +365,7 @@ def measure_verify_cost(engine: Engine, batch_sizes: Sequence[int], node_counts:
     return VerifyCostModel(tuple(rows), tuple(nodes), tuple(verify), tuple(draft), meta)
 
 
-def _time_draft(engine: Engine, bs: int, context: int, block_size: int, draft_window: int | None, topk: int,
+def _time_draft(engine: CostSubject, bs: int, context: int, block_size: int, draft_window: int | None, topk: int,
                 max_budget: int, repeats: int, gen: torch.Generator) -> float:
     """C_d for `bs` rows: one drafter forward on [bonus, MASK...] plus build_trees at max_budget."""
     device, drafter, graphed = engine.device, engine.drafter, engine.cuda_graphs

@@ -1,0 +1,116 @@
+"""What a decode batch takes in and hands back: Request, StepOutput, GenerationResult.
+
+Also a running request's host-side row and the two checks made on the host: `validate_request` (before
+any forward) and `emit` (stop tokens and max_new_tokens cut what a round commits). Token ids only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ddtree.errors import RequestError
+
+
+@dataclass
+class Request:
+    """One generation request as the batch sees it (already tokenized and validated)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What one round produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | None while running
+    verify_steps: int  # verify forwards so far for this request
+    accept_lengths: list[int] = field(default_factory=list)  # this round's accepted length(s)
+    budgets: list[int] = field(default_factory=list)  # this round's tree size (non-root nodes verified)
+
+
+@dataclass
+class GenerationResult:
+    """Everything `Engine.generate` knows about one finished request."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    verify_steps: int
+    accept_lengths: list[int]
+    timings: dict[str, float]
+    budgets: list[int] = field(default_factory=list)  # tree size of every round (varies with budget auto)
+
+    @property
+    def accept_histogram(self) -> list[int]:
+        """Index = accepted length of a round (bonus included), value = number of rounds."""
+        counts = Counter(self.accept_lengths)
+        size = max(counts, default=0) + 1
+        return [counts.get(i, 0) for i in range(size)]
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+@dataclass
+class Row:
+    """Host-side bookkeeping of one running request."""
+
+    request: Request
+    committed: int  # tokens with target KV (prompt + accepted so far, bonus excluded)
+    output: list[int] = field(default_factory=list)
+    verify_steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+
+
+def validate_request(request: Request, vocab_size: int, context: int) -> None:
+    """Raise RequestError (naming the field) if `request` can never run in `context` tokens."""
+    if not request.prompt_ids:
+        raise RequestError("prompt is empty", field="input_ids")
+    if request.max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens: {request.max_new_tokens} is out of range (allowed >= 1)",
+                           field="max_new_tokens")
+    if request.temperature < 0:
+        raise RequestError(f"temperature: {request.temperature} is out of range (allowed >= 0)",
+                           field="temperature")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids: token {bad[0]} is outside the vocabulary 0..{vocab_size - 1}",
+                           field="input_ids")
+    need = len(request.prompt_ids) + request.max_new_tokens
+    if need > context:
+        raise RequestError(
+            f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+            f"= {need} exceeds the context length ({context})",
+            field="max_new_tokens",
+        )
+
+
+def emit(row: Row, tokens: list[int], accept: int | None) -> StepOutput:
+    """Append a round's committed `tokens` to `row` up to a stop token or max_new_tokens; what the caller gets."""
+    req = row.request
+    room = req.max_new_tokens - len(row.output)
+    kept, reason = [], None
+    for tok in tokens[:room]:
+        kept.append(tok)
+        if tok in row.stop_ids:
+            reason = "stop"
+            break
+    if reason is None and len(row.output) + len(kept) >= req.max_new_tokens:
+        reason = "length"
+    row.output.extend(kept)
+    if accept is not None:
+        row.accept_lengths.append(accept)
+    return StepOutput(req.request_id, kept, reason is not None, reason, row.verify_steps,
+                      [accept] if accept is not None else [])
