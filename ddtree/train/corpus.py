@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ddtree.errors import ConfigError
 
@@ -258,13 +259,17 @@ def encode_documents(docs: Sequence[Document], tokenizer: Any) -> np.ndarray:
 
 
 def encode_corpus(corpus_dir: str | Path, tokenizer_path: str | Path | None = None) -> dict[str, Any]:
-    """Tokenize the corpus into train_tokens.npy and heldout_tokens.npy; update the manifest."""
-    from ddtree.train.tokenizer import load_tokenizer
+    """Tokenize the corpus into train_tokens.npy and heldout_tokens.npy; update the manifest.
 
+    The tokenizer is read from its file as the `tokenizers` library wrote it (ddtree.train.tokenizer
+    trains it on this corpus, so this module does not import that one).
+    """
     out = Path(corpus_dir)
     manifest = read_manifest(out)
     tok_path = Path(tokenizer_path) if tokenizer_path else out / TOKENIZER
-    tokenizer = load_tokenizer(tok_path)
+    if not tok_path.exists():
+        raise ConfigError(f"tokenizer: {tok_path} is missing; run `ddtree train tokenizer` first")
+    tokenizer = Tokenizer.from_file(str(tok_path))
     docs = read_documents(out)
     spec = manifest["spec"]
     train_docs = training_order(docs, manifest["gate_ids"], manifest["gate_repeat"], spec["seed"])
