@@ -12,6 +12,17 @@ Failure modes come from the environment (FakeBackend.env):
     DDTREE_FAKE_REPORT        JSON object merged into /server_info (a mismatched setting)
     DDTREE_FAKE_VERIFY_CT     spec_verify_ct to report instead of the computed one
     DDTREE_FAKE_IGNORE_SIGTERM "1": survive SIGTERM (tests SIGKILL escalation)
+    DDTREE_FAKE_DIALECT       the server it pretends to be (overrides --fake-dialect)
+
+It speaks one of three servers (`--fake-dialect`), each written from that server's own flags and
+log lines, not from the dialect files, so a sweep against it tests the dialects too:
+
+    ddtree         this project's server: every knob a flag, all reported, one init line
+    sglang-dflash  stock SGLang 0.5.23: no tree flags (argparse rejects them), DDTREE unknown,
+                   "Initialized DFLASH draft runner. ..." only for DFLASH
+    sglang-ddtree  the PR 29907 fork: --speculative-ddtree-budget (default block_size - 1), top-k
+                   from SGLANG_DDTREE_MAX_TOPK (default 6, not in /server_info), the DFLASH line
+                   then "Initialized DDTree worker. block_size=.., tree_budget=.., max_tree_nodes=.."
 """
 
 from __future__ import annotations
@@ -29,9 +40,12 @@ from typing import Any
 
 from ddtree.service.local import LocalBackend
 
+PERSONALITIES = ("ddtree", "sglang-dflash", "sglang-ddtree")
+SGLANG_DEFAULT_MAX_TOPK = 6  # PR 29907's default for SGLANG_DDTREE_MAX_TOPK
+
 
 class FakeBackend(LocalBackend):
-    """LocalBackend running the fake server; `env` sets its failure modes."""
+    """LocalBackend running the fake server; `env` sets its failure modes, the dialect its personality."""
 
     name = "fake"
     module = "ddtree.service.fake"
@@ -39,47 +53,95 @@ class FakeBackend(LocalBackend):
     def __init__(self, model_path: str = "fake-model", draft_model_path: str | None = "fake-draft",
                  **kwargs: Any) -> None:
         super().__init__(model_path, draft_model_path, **kwargs)
+        if self.dialect.name in PERSONALITIES:  # a user's dialect file: DDTREE_FAKE_DIALECT says which
+            self.extra_args += ["--fake-dialect", self.dialect.name]
 
 
-def init_line(args: argparse.Namespace) -> str:
-    """The server's init line for these flags (the shape verify.py parses)."""
+def init_lines(args: argparse.Namespace, dialect: str) -> list[str]:
+    """The server's init lines for these flags, as the server `dialect` prints them."""
     algorithm = (args.speculative_algorithm or "NONE").upper()
-    if algorithm == "NONE":
-        return "Initialized AR worker."
     block = args.speculative_num_draft_tokens
     window = args.speculative_draft_window_size or None
+    if dialect != "ddtree":
+        if algorithm == "NONE":
+            return []  # SGLang prints no worker line without speculation
+        lines = [f"Initialized DFLASH draft runner. attention_backend=triton, model=DFlashDraftModel, "
+                 f"block_size={block}, draft_window_size={window}, compact_cache={window is not None}"]
+        if algorithm == "DDTREE":
+            budget = args.speculative_ddtree_budget
+            lines.append(f"Initialized DDTree worker. block_size={block}, tree_budget={budget}, "
+                         f"max_tree_nodes={budget + 1}")
+        return lines
+    if algorithm == "NONE":
+        return ["Initialized AR worker."]
     budget, topk = (block - 1, 1) if algorithm == "DFLASH" else (
         args.speculative_ddtree_budget, args.speculative_ddtree_topk)
-    return (f"Initialized DDTree worker. block_size={block}, tree_budget={budget}, topk={topk}, "
-            f"draft_window_size={window}, compact_cache={window is not None}")
+    return [f"Initialized DDTree worker. block_size={block}, tree_budget={budget}, topk={topk}, "
+            f"draft_window_size={window}, compact_cache={window is not None}"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ddtree.service.fake")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--fake-dialect", choices=PERSONALITIES, default="ddtree")
+    known, _ = pre.parse_known_args(argv)
+    dialect = os.environ.get("DDTREE_FAKE_DIALECT") or known.fake_dialect
+    p = argparse.ArgumentParser(prog=f"python -m ddtree.service.fake ({dialect})")
+    p.add_argument("--fake-dialect", choices=PERSONALITIES, default="ddtree")
     p.add_argument("--model-path", required=True)
     p.add_argument("--speculative-algorithm", default="NONE")
     p.add_argument("--speculative-draft-model-path")
-    p.add_argument("--speculative-ddtree-budget", type=lambda v: v if v == "auto" else int(v), default=8)
-    p.add_argument("--speculative-ddtree-max-budget", type=int, default=32)
-    p.add_argument("--speculative-ddtree-topk", type=int, default=4)
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=8)
-    p.add_argument("--speculative-draft-window-size", type=int, default=0)
+    p.add_argument("--speculative-num-draft-tokens", "--speculative-dflash-block-size", type=int, default=8)
+    if dialect == "ddtree":
+        p.add_argument("--speculative-ddtree-budget", type=lambda v: v if v == "auto" else int(v), default=8)
+        p.add_argument("--speculative-ddtree-max-budget", type=int, default=32)
+        p.add_argument("--speculative-ddtree-topk", type=int, default=4)
+        p.add_argument("--speculative-draft-window-size", type=int, default=0)
+    else:
+        p.add_argument("--speculative-draft-window-size", type=int, default=None)
+        if dialect == "sglang-ddtree":
+            p.add_argument("--speculative-ddtree-budget", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-running-requests", type=int, default=8)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.fake_dialect = dialect
+    algorithm = args.speculative_algorithm.upper()
+    allowed = ("NONE", "DFLASH") if dialect == "sglang-dflash" else ("NONE", "DFLASH", "DDTREE")
+    if algorithm not in allowed:  # SGLang's from_string
+        print(f"ValueError: Unknown speculative algorithm name: {args.speculative_algorithm}", flush=True)
+        sys.exit(1)
+    if dialect == "sglang-ddtree":
+        if args.speculative_ddtree_budget is None:
+            args.speculative_ddtree_budget = args.speculative_num_draft_tokens - 1
+            print(f"Inferred speculative_ddtree_budget={args.speculative_ddtree_budget} from "
+                  f"speculative_num_draft_tokens={args.speculative_num_draft_tokens} for DDTREE.", flush=True)
+        args.speculative_ddtree_topk = int(os.environ.get("SGLANG_DDTREE_MAX_TOPK") or SGLANG_DEFAULT_MAX_TOPK)
+    return args
 
 
 def _server_info(args: argparse.Namespace) -> dict[str, Any]:
     algorithm = args.speculative_algorithm.upper()
     speculative = algorithm != "NONE"
+    if args.fake_dialect != "ddtree":  # SGLang: the resolved ServerArgs; no top-k (an env knob)
+        info = {"model_path": args.model_path, "speculative_algorithm": algorithm if speculative else None,
+                "speculative_draft_model_path": args.speculative_draft_model_path,
+                "speculative_num_draft_tokens": args.speculative_num_draft_tokens if speculative else None,
+                "speculative_draft_window_size": args.speculative_draft_window_size if speculative else None,
+                "device": args.device, "max_running_requests": args.max_running_requests,
+                "internal_states": [{"avg_spec_accept_length": 3.0 if speculative else 1.0}],
+                "version": "0.5.23"}
+        if args.fake_dialect == "sglang-ddtree":
+            info["speculative_ddtree_budget"] = args.speculative_ddtree_budget if algorithm == "DDTREE" else None
+        info.update(json.loads(os.environ.get("DDTREE_FAKE_REPORT") or "{}"))
+        return info
     info: dict[str, Any] = {
         "model_path": args.model_path,
         "speculative_algorithm": algorithm if speculative else None,
         "speculative_draft_model_path": args.speculative_draft_model_path,
         "speculative_ddtree_budget": args.speculative_ddtree_budget if speculative else None,
         "speculative_ddtree_topk": args.speculative_ddtree_topk if speculative else None,
+        "speculative_ddtree_max_budget": args.speculative_ddtree_max_budget,
         "speculative_num_draft_tokens": args.speculative_num_draft_tokens if speculative else None,
         "speculative_draft_window_size": (args.speculative_draft_window_size or None)
         if speculative else None,
@@ -109,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"server_args: {vars(args)}", flush=True)
     time.sleep(float(env("DDTREE_FAKE_LOAD_S") or 0))  # "loading weights": the port refuses
     if env("DDTREE_FAKE_NO_INIT_LINE") != "1":
-        print(init_line(args), flush=True)
+        for line in init_lines(args, args.fake_dialect):
+            print(line, flush=True)
     info = _server_info(args)
     speculative = info["speculative_algorithm"] is not None
     warm_at = time.monotonic() + float(env("DDTREE_FAKE_WARMUP_S") or 0)

@@ -25,6 +25,7 @@ import httpx
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError, ServiceError, ServiceStartError
 from ddtree.service.base import Deployment, http_client
+from ddtree.service.dialects import Dialect, default_dialect
 
 Log = Callable[[str], None]
 
@@ -65,6 +66,7 @@ class LocalBackend:
         python: str = sys.executable,
         stop_timeout_s: float = 10.0,
         log: Log = _quiet,
+        dialect: Dialect | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"port: {port} is out of range (allowed 0..65535; 0 = pick a free port)")
@@ -81,6 +83,7 @@ class LocalBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{self.name}-{self.port}.log"
         self.env = dict(env or {})  # added to os.environ at each start; tests change it between starts
+        self.dialect = dialect or default_dialect()  # how this server spells the knobs (flags, env)
         self.python = python
         self.stop_timeout_s = stop_timeout_s
         self.log = log
@@ -98,9 +101,9 @@ class LocalBackend:
         return None if self._proc is None else self._proc.pid
 
     def command(self, spec: SpecConfig) -> list[str]:
-        """The exact argv for `spec` (speculative flags from SpecConfig.server_args())."""
+        """The exact argv for `spec` (speculative flags from the dialect; see spec_env for the rest)."""
         cmd = [self.python, "-m", self.module, "--model-path", self.model_path]
-        cmd += spec.server_args()
+        cmd += self.dialect.launch(spec)[0]
         if spec.speculative and self.draft_model_path:
             cmd += ["--speculative-draft-model-path", self.draft_model_path]
         cmd += ["--host", self.host, "--port", str(self.port), "--device", self.device]
@@ -108,13 +111,23 @@ class LocalBackend:
             cmd += ["--max-running-requests", str(self.max_running_requests)]
         return cmd + self.extra_args
 
+    def spec_env(self, spec: SpecConfig) -> dict[str, str]:
+        """The environment of a start: os.environ, `env`, and the dialect's env knobs for `spec`
+        (a knob's variable that `spec` does not use is removed, so an older start's value cannot stay)."""
+        env = {**os.environ, **self.env}
+        for var in self.dialect.managed_env():
+            env.pop(var, None)
+        return env | self.dialect.launch(spec)[1]
+
     def start(self, spec: SpecConfig) -> Deployment:
         self.stop()
         cmd = self.command(spec)
+        knob_env = self.dialect.launch(spec)[1]
         self.log(f"[{self.name}] starting: {shlex.join(cmd)}")
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - held open for the child's life
         offset = self._log_file.tell()
-        self._log_file.write(f"=== ddtree service start {spec.id}: {shlex.join(cmd)}\n".encode())
+        shown = " ".join(f"{k}={v}" for k, v in knob_env.items())
+        self._log_file.write(f"=== ddtree service start {spec.id}: {shown + ' ' if shown else ''}{shlex.join(cmd)}\n".encode())
         self._log_file.flush()
         try:
             self._proc = subprocess.Popen(
@@ -123,7 +136,7 @@ class LocalBackend:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # own process group: stop() reaches every worker
-                env={**os.environ, **self.env},
+                env=self.spec_env(spec),
             )
         except OSError as err:
             self._close_log()
@@ -177,7 +190,20 @@ class LocalBackend:
         return "\n".join(self.log_since_start().splitlines()[-n:])
 
     def reported_settings(self) -> dict[str, Any]:
-        return fetch_server_info(self.base_url)
+        info = fetch_server_info(self.base_url)
+        if self.dialect.managed_env() and self._proc is not None:  # knobs /server_info cannot show
+            info["environment"] = process_environment(self._proc.pid, self.dialect.managed_env())
+        return info
+
+
+def process_environment(pid: int, names: Any) -> dict[str, str]:
+    """The variables of `names` in the environment process `pid` was started with (Linux /proc)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError as err:
+        raise ServiceError(f"cannot read the environment of pid {pid}: {err}") from err
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs if k in names}
 
 
 def fetch_server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:

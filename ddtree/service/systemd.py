@@ -1,11 +1,12 @@
-"""SystemdBackend: reconfigure a systemd unit's ExecStart flags on a host over ssh and restart it.
+"""SystemdBackend: reconfigure a systemd unit's ExecStart flags and Environment= lines over ssh, restart it.
 
 start(spec) issues, in order:
 
     systemctl cat UNIT                          which file holds the effective ExecStart
     cat PATH                                    that file's exact bytes
-    sh -c 'tmp=...; cat > $tmp; sudo mv $tmp PATH'   the file with only the speculative flags
-                                                changed (skipped when nothing changes)
+    sh -c 'tmp=...; cat > $tmp; sudo mv $tmp PATH'   the file with only the dialect's flags and
+                                                Environment= variables changed (skipped when
+                                                nothing changes)
     sudo systemctl daemon-reload
     sudo journalctl -u UNIT -n 0 --show-cursor  the journal cursor before the restart
     sudo systemctl restart UNIT
@@ -29,7 +30,8 @@ from typing import Any
 
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError, ServiceError, ServiceStartError
-from ddtree.service.base import SERVER_INFO_KEYS, Deployment
+from ddtree.service.base import Deployment
+from ddtree.service.dialects import Dialect, default_dialect
 from ddtree.service.local import fetch_server_info
 
 
@@ -53,20 +55,11 @@ def subprocess_runner(argv: list[str], stdin: str | None = None, timeout_s: floa
     return CommandResult(done.returncode, done.stdout, done.stderr)
 
 
-# -- ExecStart editing (pure text; unit-tested without a host) ------------------------------------
-# Flag -> the SpecConfig-derived value it carries; the dflash alias must agree with the block size.
-SPEC_FLAGS = ("--speculative-algorithm", "--speculative-num-draft-tokens",
-              "--speculative-dflash-block-size", "--speculative-draft-window-size",
-              "--speculative-ddtree-budget", "--speculative-ddtree-topk")
-_FLAG_KEYS = {
-    "--speculative-algorithm": SERVER_INFO_KEYS["algorithm"],
-    "--speculative-ddtree-budget": SERVER_INFO_KEYS["budget"],
-    "--speculative-ddtree-topk": SERVER_INFO_KEYS["topk"],
-    "--speculative-num-draft-tokens": SERVER_INFO_KEYS["block_size"],
-    "--speculative-dflash-block-size": SERVER_INFO_KEYS["block_size"],
-    "--speculative-draft-window-size": SERVER_INFO_KEYS["draft_window"],
-}
+# -- ExecStart and Environment= editing (pure text; unit-tested without a host) ----------------------
+# Which flags and variables carry the knobs comes from the dialect (ddtree/service/dialects.py);
+# a flag's aliases (e.g. --speculative-dflash-block-size) are set to the same value when present.
 _EXEC_RE = re.compile(r"^[ \t]*ExecStart[ \t]*=", re.M)
+_ENV_RE = re.compile(r"^[ \t]*Environment[ \t]*=(.*)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -137,13 +130,16 @@ def flag_values(value: str) -> dict[str, str | None]:
     return out
 
 
-def rewrite_exec_start(value: str, spec: SpecConfig) -> str:
-    """`value` with the speculative flags set for `spec`: replaced in place, missing ones added at
+def rewrite_exec_start(value: str, spec: SpecConfig, dialect: Dialect | None = None) -> str:
+    """`value` with the dialect's flags set for `spec`: replaced in place, missing ones added at
     the end, ones `spec` does not use removed; every other byte is kept."""
-    args = spec.server_args()
+    dialect = dialect or default_dialect()
+    args = dialect.launch(spec)[0]
     wanted = dict(zip(args[::2], args[1::2], strict=True))
-    if "--speculative-num-draft-tokens" in wanted:
-        wanted["--speculative-dflash-block-size"] = wanted["--speculative-num-draft-tokens"]
+    managed = dialect.managed_flags()
+    for knob in dialect.knobs.values():
+        if knob.flag in wanted:
+            wanted |= {alias: wanted[knob.flag] for alias in knob.aliases}
     tokens = tokenize(value)
     edits: list[tuple[int, int, str]] = []  # (start, end, replacement), non-overlapping
     seen: set[str] = set()
@@ -151,7 +147,7 @@ def rewrite_exec_start(value: str, spec: SpecConfig) -> str:
     while k < len(tokens):
         tok = tokens[k]
         flag, _, inline = tok.text.partition("=")
-        if flag not in SPEC_FLAGS:
+        if flag not in managed:
             k += 1
             continue
         seen.add(flag)
@@ -176,8 +172,10 @@ def rewrite_exec_start(value: str, spec: SpecConfig) -> str:
     return value
 
 
-def rewrite_unit(unit_text: str, spec: SpecConfig, where: str = "unit") -> str:
-    """The unit file with its effective ExecStart rewritten for `spec`."""
+def rewrite_unit(unit_text: str, spec: SpecConfig, where: str = "unit", dialect: Dialect | None = None) -> str:
+    """The unit file with its effective ExecStart and its Environment= lines set for `spec`."""
+    dialect = dialect or default_dialect()
+    dialect.check(spec, where=f"{where}: dialect {dialect.name}:")
     span = find_exec_start(unit_text)
     if span is None:
         raise ServiceError(f"{where}: no non-empty ExecStart= line to reconfigure")
@@ -187,16 +185,77 @@ def rewrite_unit(unit_text: str, spec: SpecConfig, where: str = "unit") -> str:
             and "--speculative-draft-model" not in flag_values(value):
         raise ConfigError(f"{where}: ExecStart has no --speculative-draft-model-path, so "
                           f"{spec.id} cannot run; add the drafter path to the unit first")
-    return unit_text[:start] + rewrite_exec_start(value, spec) + unit_text[end:]
+    text = unit_text[:start] + rewrite_exec_start(value, spec, dialect) + unit_text[end:]
+    return rewrite_environment(text, dialect.launch(spec)[1], set(dialect.managed_env()))
 
 
-def settings_from_exec_start(value: str) -> dict[str, Any]:
-    """The speculative settings an ExecStart value asks for, keyed like /server_info."""
-    flags = flag_values(value)
-    out: dict[str, Any] = {SERVER_INFO_KEYS["algorithm"]: None, SERVER_INFO_KEYS["draft_window"]: None}
-    for flag, key in _FLAG_KEYS.items():
-        if flag in flags:
-            out[key] = flags[flag]
+def environment(unit_text: str) -> dict[str, str]:
+    """{variable: value} of the Environment= lines of one unit file (a later assignment wins)."""
+    out: dict[str, str] = {}
+    for m in _ENV_RE.finditer(unit_text):
+        out |= _assignments(m.group(1))
+    return out
+
+
+def _assignments(value: str) -> dict[str, str]:
+    # systemd splits Environment= like a shell word list with its own quotes; shlex is that close
+    try:
+        words = shlex.split(value, comments=False)
+    except ValueError:
+        words = value.split()
+    return dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def _quote_assignment(name: str, value: str) -> str:
+    text = f"{name}={value}"
+    if re.search(r"[\s\"'\\]", text):
+        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def rewrite_environment(unit_text: str, wanted: dict[str, str], managed: set[str]) -> str:
+    """`unit_text` with every variable of `managed` removed from its Environment= lines (a line
+    left empty goes) and one `Environment=VAR=value` line per entry of `wanted`, placed just before
+    the effective ExecStart=; lines without a managed variable keep every byte."""
+    if not managed:
+        return unit_text
+    out: list[str] = []
+    for line in unit_text.splitlines(keepends=True):
+        m = _ENV_RE.match(line.rstrip("\n"))
+        if m and managed & set(_assignments(m.group(1))):
+            kept = {k: v for k, v in _assignments(m.group(1)).items() if k not in managed}
+            if kept:
+                out.append("Environment=" + " ".join(_quote_assignment(k, v) for k, v in kept.items()) + "\n")
+            continue
+        out.append(line)
+    text = "".join(out)
+    if not wanted:
+        return text
+    span = find_exec_start(text)
+    assert span is not None  # rewrite_unit found one before the environment was edited
+    at = text.rfind("\n", 0, span[0]) + 1  # the start of the ExecStart= line
+    block = "".join(f"Environment={_quote_assignment(k, v)}\n" for k, v in wanted.items())
+    return text[:at] + block + text[at:]
+
+
+def knobs_from_unit(unit_text: str, dialect: Dialect | None = None) -> dict[str, Any]:
+    """{knob: value as written} that a unit file asks for: the dialect's flags in its effective
+    ExecStart, its env knobs in Environment= lines. An absent algorithm is NONE, an absent window
+    unlimited when the dialect omits the flag for that; other absent knobs are left out."""
+    dialect = dialect or default_dialect()
+    span = find_exec_start(unit_text)
+    flags = flag_values(unit_text[span[0]:span[1]]) if span else {}
+    env = environment(unit_text)
+    out: dict[str, Any] = {"algorithm": None}
+    if (dialect.knobs["draft_window"].unlimited or "omit") == "omit":
+        out["draft_window"] = None
+    for name, knob in dialect.knobs.items():
+        for flag in ((knob.flag,) if knob.flag else ()) + knob.aliases:
+            if flag in flags:
+                out[name] = flags[flag]
+                break
+        if knob.env and knob.env in env:
+            out[name] = env[knob.env]
     return out
 
 
@@ -232,6 +291,7 @@ class SystemdBackend:
         ssh_config: str | None = None,
         query_server_info: bool = True,
         log: Callable[[str], None] = lambda _: None,
+        dialect: Dialect | None = None,
     ) -> None:
         if not unit or any(c.isspace() for c in unit):
             raise ConfigError(f"unit: {unit!r} is not a systemd unit name")
@@ -240,6 +300,7 @@ class SystemdBackend:
         self.runner: Runner = runner or subprocess_runner
         self._base_url = base_url.rstrip("/") if base_url else None
         self.sudo = sudo  # None: probed on the first privileged command (root needs none)
+        self.dialect = dialect or default_dialect()  # which ExecStart flags / Environment= lines carry the knobs
         self.ssh_config = ssh_config
         self.query_server_info = query_server_info
         self.log = log
@@ -315,7 +376,7 @@ class SystemdBackend:
         path, _ = self._effective_file()
         self.unit_path = path
         original = self._run(["cat", path]).stdout
-        updated = rewrite_unit(original, spec, where=path)  # raises before anything changes
+        updated = rewrite_unit(original, spec, where=path, dialect=self.dialect)  # raises before anything changes
         if updated != original:
             self._write(path, updated)
             self._run(["systemctl", "daemon-reload"], privileged=True)
@@ -366,7 +427,8 @@ class SystemdBackend:
         return "\n".join(self.log_since_start().splitlines()[-n:])
 
     def reported_settings(self) -> dict[str, Any]:
-        settings = settings_from_exec_start(self._exec_start_value())
+        _, text = self._effective_file()
+        settings: dict[str, Any] = {"unit_file": knobs_from_unit(text, self.dialect)}
         if self.query_server_info:  # the live service too, when this machine can reach it
             try:
                 settings["server_info"] = fetch_server_info(self.base_url)

@@ -15,6 +15,7 @@ import httpx
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError, ServiceError
 from ddtree.service.base import Deployment, http_client
+from ddtree.service.dialects import Dialect, default_dialect
 from ddtree.service.local import fetch_server_info
 from ddtree.service.verify import compare_settings
 
@@ -25,11 +26,12 @@ class UrlBackend:
     owns_process = False
     has_log = False
 
-    def __init__(self, base_url: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 10.0, dialect: Dialect | None = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url: {base_url!r} must start with http:// or https://")
         self._base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.dialect = dialect or default_dialect()
         self.deployment: Deployment | None = None
 
     @property
@@ -37,7 +39,7 @@ class UrlBackend:
         return self._base_url
 
     def start(self, spec: SpecConfig) -> Deployment:
-        settings = compare_settings(spec, self.reported_settings())
+        settings = compare_settings(spec, self.reported_settings(), self.dialect)
         bad = {k: v for k, v in settings.items() if not v["ok"]}
         if bad:
             diff = ", ".join(f"{k} {v['reported']!r} (wanted {v['expected']!r})" for k, v in bad.items())

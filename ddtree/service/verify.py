@@ -19,7 +19,8 @@ import httpx
 
 from ddtree.config import AUTO, Algorithm, SpecConfig, parse_window
 from ddtree.errors import ConfigError, ServiceError, ServiceVerifyError
-from ddtree.service.base import SERVER_INFO_KEYS, ServiceBackend, VerifyReport, http_client
+from ddtree.service.base import ServiceBackend, VerifyReport, http_client
+from ddtree.service.dialects import Dialect, default_dialect
 
 MISSING = "<missing>"
 _INIT_RE = re.compile(r"Initialized (DDTree worker|DFLASH draft runner|AR worker)\.(.*)$", re.M)
@@ -28,15 +29,9 @@ _READY_LINE = "The server is fired up and ready to roll!"
 
 
 # -- 1. settings ---------------------------------------------------------------------------------
-def expected_settings(spec: SpecConfig) -> dict[str, Any]:
-    """The SpecConfig fields a service must report for `spec` (normalised values)."""
-    if spec.algorithm is Algorithm.NONE:
-        return {"algorithm": "NONE"}
-    expected: dict[str, Any] = {"algorithm": spec.algorithm.value, "block_size": spec.block_size,
-                                "draft_window": spec.draft_window}
-    if spec.algorithm is Algorithm.DDTREE:  # SGLang reports no tree keys for DFLASH
-        expected |= {"budget": spec.budget, "topk": spec.topk}
-    return expected
+def expected_settings(spec: SpecConfig, dialect: Dialect | None = None) -> dict[str, Any]:
+    """The SpecConfig knobs a service must show for `spec` (normalised values)."""
+    return (dialect or default_dialect()).expected(spec)
 
 
 def normalise(field: str, value: Any) -> Any:
@@ -44,11 +39,13 @@ def normalise(field: str, value: Any) -> Any:
     if field == "algorithm":
         text = "" if value is None else str(value).strip().upper()
         return "NONE" if text in ("", "NONE", "NULL") else text
-    if field == "draft_window":
+    if field in ("draft_window", "draft_window_size"):
         try:
-            return parse_window(value)
+            return parse_window(None if value == "None" else value)
         except ConfigError:
             return value
+    if field == "compact_cache" and isinstance(value, str):
+        return {"true": True, "false": False}.get(value.strip().lower(), value)
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     if field in ("budget", "tree_budget") and isinstance(value, str) and value.strip().lower() == AUTO:
@@ -56,23 +53,54 @@ def normalise(field: str, value: Any) -> Any:
     return value
 
 
-def compare_settings(spec: SpecConfig, reported: dict[str, Any],
+def compare_settings(spec: SpecConfig, reported: dict[str, Any], dialect: Dialect | None = None,
                      prefix: str = "") -> dict[str, dict[str, Any]]:
-    """{field: {key, expected, reported, ok}} for every field the spec pins down."""
+    """{knob: {key, expected, reported, ok}} for every knob the spec uses that `reported` carries.
+
+    `reported` is /server_info (keys from the dialect; a knob without a server_info key is not
+    reported there and is skipped), or a systemd unit's {"unit_file": {knob: value}} with the live
+    service's /server_info nested under "server_info" when it was reachable.
+    """
+    dialect = dialect or default_dialect()
     out = {}
-    for name, want in expected_settings(spec).items():
-        key = SERVER_INFO_KEYS[name]
-        got = normalise(name, reported[key]) if key in reported else MISSING
+    unit = reported.get("unit_file")
+    for name, want in dialect.expected(spec).items():
+        knob = dialect.knobs[name]
+        if isinstance(unit, dict):
+            key, raw = knob.where, unit.get(name, MISSING)
+        elif knob.server_info:
+            key, raw = knob.server_info, reported.get(knob.server_info, MISSING)
+        elif knob.env and isinstance(reported.get("environment"), dict):  # what the launched process got
+            key, raw = knob.where, reported["environment"].get(knob.env, MISSING)
+        else:
+            continue
+        got = raw if raw == MISSING else normalise(name, raw)
         out[prefix + name] = {"key": key, "expected": want, "reported": got, "ok": got == want}
     nested = reported.get("server_info")
     if isinstance(nested, dict):  # systemd: the unit file first, the live service too when reachable
-        out |= compare_settings(spec, nested, prefix="server_info.")
+        out |= compare_settings(spec, nested, dialect, prefix="server_info.")
     return out
 
 
+def unreported_knobs(spec: SpecConfig, dialect: Dialect) -> list[str]:
+    """Knobs `spec` uses that /server_info does not carry in this dialect (set by env, e.g. top-k)."""
+    return [f"{n} ({dialect.knobs[n].where})" for n in dialect.used_knobs(spec) if not dialect.knobs[n].server_info]
+
+
 # -- 2. init log line -------------------------------------------------------------------------------
+def find_line(log: str, prefix: str) -> tuple[str, dict[str, str]] | None:
+    """(line, key=value pairs after the prefix) of the last line of `log` containing `prefix`."""
+    at = log.rfind(prefix)
+    if at < 0:
+        return None
+    end = log.find("\n", at)
+    rest = log[at + len(prefix): None if end < 0 else end]
+    start = log.rfind("\n", 0, at) + 1
+    return log[start: None if end < 0 else end].strip(), dict(_KV_RE.findall(rest))
+
+
 def parse_init_line(log: str) -> tuple[str, str, dict[str, str]] | None:
-    """(kind, line, key=value pairs) of the last init line in `log`, or None."""
+    """(kind, line, key=value pairs) of the last init line of any built-in shape in `log`, or None."""
     matches = list(_INIT_RE.finditer(log))
     if not matches:
         return None
@@ -80,38 +108,36 @@ def parse_init_line(log: str) -> tuple[str, str, dict[str, str]] | None:
     return m.group(1), m.group(0).strip(), dict(_KV_RE.findall(m.group(2)))
 
 
-def compare_init_line(spec: SpecConfig, log: str) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
-    """(per-key comparison, the init line, an error when no usable line exists)."""
-    found = parse_init_line(log)
+def compare_init_line(spec: SpecConfig, log: str, dialect: Dialect | None = None,
+                      ) -> tuple[dict[str, dict[str, Any]], str | None, str | None]:
+    """(per-key comparison, the init line(s), an error when a line the dialect promises is missing)."""
+    dialect = dialect or default_dialect()
+    prefixes = sorted({line.prefix for line in dialect.init_lines})
     if spec.algorithm is Algorithm.NONE:
-        if found is not None and found[0] == "AR worker":
-            return {}, found[1], None
-        if found is not None:
-            return {}, found[1], f"speculative init line for an AR deployment: {found[1]!r}"
-        if _READY_LINE in log:  # SGLang prints no AR init line; no speculative line is the check
+        spec_lines = [found[0] for p in prefixes if (found := find_line(log, p))]
+        if spec_lines:
+            return {}, spec_lines[-1], f"speculative init line for an AR deployment: {spec_lines[-1]!r}"
+        if dialect.ar_line and (found := find_line(log, dialect.ar_line)):
+            return {}, found[0], None
+        if _READY_LINE in log:  # a server without an AR line: no speculative line is the check
             return {}, None, None
         return {}, None, "no init line and no ready line in this start's log"
-    if found is None or found[0] == "AR worker":
-        return {}, None if found is None else found[1], (
-            "no speculative init line ('Initialized DDTree worker.' or 'Initialized DFLASH draft "
-            "runner.') in this start's log")
-    kind, line, values = found
-    window = spec.draft_window
-    expected: dict[str, Any] = {"block_size": spec.block_size, "draft_window_size": window,
-                                "compact_cache": window is not None}
-    if kind == "DDTree worker":  # SGLang's DFLASH runner line carries no tree keys
-        expected |= {"tree_budget": spec.budget, "topk": spec.topk}
-    out = {}
-    for key, want in expected.items():
-        raw = values.get(key, MISSING)
-        if key == "draft_window_size":
-            got = normalise("draft_window", None if raw == "None" else raw)
-        elif key == "compact_cache":
-            got = {"True": True, "False": False}.get(raw, raw)
-        else:
-            got = normalise(key, raw)
-        out[key] = {"expected": want, "reported": got, "ok": got == want}
-    return out, line, None
+    out: dict[str, dict[str, Any]] = {}
+    shown = []
+    for line in dialect.lines_for(spec):
+        found = find_line(log, line.prefix)
+        if found is None:
+            return out, "; ".join(shown) or None, (
+                f"no speculative init line {line.prefix!r} in this start's log (dialect {dialect.name})")
+        text, values = found
+        shown.append(text)
+        for key, knob in line.keys.items():
+            want = dialect.value_of(spec, knob)
+            raw = values.get(key, MISSING)
+            got = raw if raw == MISSING else normalise(knob, raw)
+            name = key if key not in out else f"{line.prefix.split()[1]}.{key}"
+            out[name] = {"expected": want, "reported": got, "ok": got == want}
+    return out, "; ".join(shown) or None, None
 
 
 # -- 3. generation ---------------------------------------------------------------------------------
@@ -141,11 +167,14 @@ def tiny_generation(base_url: str, timeout_s: float = 120.0) -> dict[str, Any]:
 # -- the report --------------------------------------------------------------------------------------
 def verify(backend: ServiceBackend, spec: SpecConfig, *, generate: bool = True) -> VerifyReport:
     """Check the running service against `spec`; never raises for a mismatch (see .ok)."""
-    details: dict[str, Any] = {"backend": backend.name, "config": spec.id,
+    dialect: Dialect = getattr(backend, "dialect", None) or default_dialect()
+    details: dict[str, Any] = {"backend": backend.name, "config": spec.id, "dialect": dialect.name,
                                "settings_source": getattr(backend, "settings_source", "server_info")}
+    if unreported := unreported_knobs(spec, dialect):
+        details["not_in_server_info"] = unreported
     try:
         reported = backend.reported_settings()
-        settings = compare_settings(spec, reported)
+        settings = compare_settings(spec, reported, dialect)
         if "server_info_error" in reported:  # systemd: the unit was read, the live service was not
             details["server_info_error"] = reported["server_info_error"]
         states = reported.get("internal_states") or [{}]
@@ -159,7 +188,7 @@ def verify(backend: ServiceBackend, spec: SpecConfig, *, generate: bool = True) 
 
     log_ok: bool | None = None
     if backend.has_log:
-        log_values, line, error = compare_init_line(spec, backend.log_since_start())
+        log_values, line, error = compare_init_line(spec, backend.log_since_start(), dialect)
         details |= {"init_line": line, "log_values": log_values}
         if error:
             details["log_error"] = error

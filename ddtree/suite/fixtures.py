@@ -65,7 +65,7 @@ def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
     env: dict[str, str] = {}
     if os.environ.get("PYTEST_XDIST_WORKER") and _gpu_visible() and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(index)
-    common: dict[str, Any] = {"host": host or "127.0.0.1", "log_dir": log_dir, "env": env}
+    common: dict[str, Any] = {"host": host or "127.0.0.1", "log_dir": log_dir, "env": env, "dialect": options.dialect}
     if options.service == "fake":
         from ddtree.service.fake import FakeBackend
 
@@ -76,12 +76,13 @@ def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
         url = options.service_url or ""
         if host:
             url = host if host.startswith("http") else f"http://{host}:{url.rsplit(':', 1)[-1].strip('/')}"
-        return UrlBackend(url)
+        return UrlBackend(url, dialect=options.dialect)
     if options.service == "systemd":
         from ddtree.service.systemd import SystemdBackend
 
         # base_url None: the backend derives it from the unit's --host/--port and the ssh host
-        return SystemdBackend(host or options.ssh_host, options.systemd_unit, base_url=options.service_url)
+        return SystemdBackend(host or options.ssh_host, options.systemd_unit, base_url=options.service_url,
+                              ssh_config=options.ssh_config, dialect=options.dialect)
     require_models(options)
     if options.service == "sglang":
         from ddtree.service.sglang import SGLangBackend

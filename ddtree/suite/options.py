@@ -17,6 +17,7 @@ import pytest
 
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.grid import Grid, load_grid, with_repeats
+from ddtree.service.dialects import Dialect, default_dialect, load_dialect
 from ddtree.suite.floors import Floors, check_tolerance, load_floors
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -136,6 +137,10 @@ class SuiteOptions:
     resume: bool
     service_hosts: list[str] = field(default_factory=list)
     max_context: int | None = None
+    dialect: Dialect = field(default_factory=default_dialect)
+    tokenize: str = "auto"
+    ssh_config: str | None = None
+    start_retries: int = 1
 
 
 def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
@@ -208,6 +213,17 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         raise pytest.UsageError("--service url needs --service-url http://HOST:PORT")
     if service_url and not str(service_url).startswith(("http://", "https://")):
         raise _usage(where, service_url, "an http:// or https:// URL")
+    dialect = _dialect(config, service, grid)
+    tokenize, where = _raw(config, "tokenize")
+    tokenize = str(tokenize or "auto").lower()
+    if tokenize not in TOKENIZE_MODES:
+        raise _usage(where, tokenize, f"one of {', '.join(TOKENIZE_MODES)}")
+    retries, where = _raw(config, "start_retries")
+    if retries is not None and str(retries) not in ("0", "1"):
+        raise _usage(where, retries, "0 or 1 (extra start attempts per config)")
+    ssh_config, where = _raw(config, "ssh_config")
+    if ssh_config and not Path(ssh_config).expanduser().is_file():
+        raise _usage(where, ssh_config, "an existing ssh config file")
     ssh_host, _ = _raw(config, "ssh_host")
     systemd_unit, _ = _raw(config, "systemd_unit")
     if service == "systemd" and not (ssh_host and systemd_unit):
@@ -270,7 +286,27 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         resume=bool(config.getoption("ddtree_resume")),
         service_hosts=hosts,
         max_context=max_context,
+        dialect=dialect,
+        tokenize=tokenize,
+        ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,
+        start_retries=1 if retries is None else int(retries),
     )
+
+
+def _dialect(config: pytest.Config, service: str, grid: Grid) -> Dialect:
+    """The --server-dialect (sglang-ddtree for --service sglang, else ddtree), with every config of
+    the grid checked against it: a knob it cannot set is a usage error naming knob and dialect."""
+    value, where = _raw(config, "server_dialect")
+    try:
+        dialect = load_dialect(value or ("sglang-ddtree" if service == "sglang" else "ddtree"))
+    except ConfigError as err:
+        raise pytest.UsageError(f"{where}: {err}") from err
+    problems = [f"{'default' if spec is grid.default else 'config'} {spec.id}: {'; '.join(p)}"
+                for spec in dict.fromkeys((grid.default, *grid.configs)) if (p := dialect.problems(spec))]
+    if problems:
+        raise pytest.UsageError(f"--config-grid {grid.name} ({grid.path}) cannot run on dialect {dialect.name} "
+                                f"({where if value else 'the default for --service ' + service}): " + " | ".join(problems))
+    return dialect
 
 
 def worker_index() -> int:

@@ -32,16 +32,21 @@ def running(tmp_path) -> Iterator[FakeBackend]:
     backend.stop()
 
 
-def test_sglang_command_line() -> None:
+def test_sglang_command_line_speaks_the_pr_29907_fork() -> None:
+    """No SGLang fork has --speculative-ddtree-topk: the fork reads top-k from SGLANG_DDTREE_MAX_TOPK."""
     backend = SGLangBackend("/models/qwen3-8b", "/models/dflash", port=30000, max_running_requests=32,
-                            extra_args=["--tp", "2"])
+                            extra_args=["--tp", "2"], env={"SGLANG_DDTREE_MAX_TOPK": "9"})
+    assert backend.dialect.name == "sglang-ddtree"
     assert backend.command(DEFAULT) == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/qwen3-8b",
         "--speculative-algorithm", "DDTREE", "--speculative-num-draft-tokens", "8",
         "--speculative-draft-window-size", "2048", "--speculative-ddtree-budget", "8",
-        "--speculative-ddtree-topk", "4", "--speculative-draft-model-path", "/models/dflash",
+        "--speculative-draft-model-path", "/models/dflash",
         "--host", "127.0.0.1", "--port", "30000", "--device", "cuda", "--max-running-requests", "32",
         "--tp", "2"]
+    assert backend.spec_env(DEFAULT)["SGLANG_DDTREE_MAX_TOPK"] == "4"  # the spec's, not the stale 9
+    assert "SGLANG_DDTREE_MAX_TOPK" not in backend.spec_env(SpecConfig(Algorithm.DFLASH))
+    assert "--speculative-draft-window-size" not in backend.command(SpecConfig(draft_window=None))  # omitted
     assert backend.base_url == "http://127.0.0.1:30000"
 
 

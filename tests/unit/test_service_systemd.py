@@ -10,14 +10,16 @@ import pytest
 
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, ServiceStartError
-from ddtree.service.fake import init_line
+from ddtree.service.dialects import load_dialect
+from ddtree.service.fake import init_lines
 from ddtree.service.systemd import (
     CommandResult,
     SystemdBackend,
+    environment,
     flag_values,
+    knobs_from_unit,
     rewrite_exec_start,
     rewrite_unit,
-    settings_from_exec_start,
 )
 from ddtree.service.verify import verify
 
@@ -49,8 +51,10 @@ REWRITTEN_EXEC = """/opt/venv/bin/python -m sglang.launch_server --model-path /m
 class FakeHost:
     """A host reached over ssh: unit files, systemd's loaded copy, a journal, the unit's state."""
 
-    def __init__(self, files: dict[str, str], unit: str = "sglang.service", ssh_host: str = "gpu1") -> None:
+    def __init__(self, files: dict[str, str], unit: str = "sglang.service", ssh_host: str = "gpu1",
+                 personality: str = "ddtree") -> None:
         self.ssh_host = ssh_host
+        self.personality = personality  # which server's init lines a restart logs (ddtree.service.fake)
         self.files = dict(files)
         self.loaded = dict(files)  # what systemd uses until daemon-reload
         self.unit = unit
@@ -102,10 +106,13 @@ class FakeHost:
             speculative_num_draft_tokens=int(flags.get("--speculative-num-draft-tokens") or 8),
             speculative_draft_window_size=int(flags.get("--speculative-draft-window-size") or 0),
             speculative_ddtree_budget=int(flags.get("--speculative-ddtree-budget") or 8),
-            speculative_ddtree_topk=int(flags.get("--speculative-ddtree-topk") or 4))
+            speculative_ddtree_topk=int(flags.get("--speculative-ddtree-topk") or environment(text).get(
+                "SGLANG_DDTREE_MAX_TOPK") or 4))
+        if self.personality != "ddtree":  # SGLang: an unset window is None
+            args.speculative_draft_window_size = args.speculative_draft_window_size or None
         self.journal.append("Stopped sglang.service.")
         if self.print_init_line:
-            self.journal.append(f"gpu1 python[123]: {init_line(args)}")
+            self.journal += [f"gpu1 python[123]: {line}" for line in init_lines(args, self.personality)]
         self.journal.append("gpu1 python[123]: The server is fired up and ready to roll!")
 
 
@@ -123,10 +130,8 @@ def test_rewrite_replaces_adds_and_keeps_every_other_byte() -> None:
 def test_rewrite_is_idempotent_and_round_trips_through_the_flags() -> None:
     once = rewrite_unit(UNIT, DEFAULT)
     assert rewrite_unit(once, DEFAULT) == once
-    settings = settings_from_exec_start(once.split("ExecStart=")[1])
-    assert settings == {"speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": "8",
-                        "speculative_draft_window_size": "2048", "speculative_ddtree_budget": "8",
-                        "speculative_ddtree_topk": "4"}
+    assert knobs_from_unit(once) == {"algorithm": "DDTREE", "block_size": "8", "draft_window": "2048",
+                                     "budget": "8", "topk": "4"}
 
 
 def test_inline_values_and_the_block_size_alias_are_rewritten() -> None:
@@ -224,3 +229,52 @@ def test_base_url_comes_from_the_unit_and_the_ssh_host() -> None:
     host = FakeHost({UNIT_PATH: UNIT}, ssh_host="admin@gpu1")
     backend = SystemdBackend("admin@gpu1", "sglang.service", runner=host)
     assert backend.base_url == "http://gpu1:30000"
+
+
+# -- dialects: flags and Environment= lines ------------------------------------------------------------
+FORK = load_dialect("sglang-ddtree")
+
+
+def test_the_fork_gets_top_k_as_an_environment_line_and_loses_it_for_a_chain() -> None:
+    tree = SpecConfig(budget=12, topk=3)
+    once = rewrite_unit(UNIT, tree, dialect=FORK)
+    assert "Environment=CUDA_VISIBLE_DEVICES=0,1\n" in once  # other variables keep every byte
+    assert "Environment=SGLANG_DDTREE_MAX_TOPK=3\nExecStart=" in once
+    assert "--speculative-ddtree-topk" not in once and "--speculative-ddtree-budget 12" in once
+    assert knobs_from_unit(once, FORK) == {"algorithm": "DDTREE", "block_size": "8", "draft_window": "2048",
+                                           "budget": "12", "topk": "3"}
+    assert rewrite_unit(once, tree, dialect=FORK) == once
+    chain = rewrite_unit(once, SpecConfig(Algorithm.DFLASH, draft_window=None), dialect=FORK)
+    assert "SGLANG_DDTREE_MAX_TOPK" not in chain and "--speculative-ddtree-budget" not in chain
+    assert "--speculative-draft-window-size" not in chain  # SGLang: no flag = no window
+    assert knobs_from_unit(chain, FORK) == {"algorithm": "DFLASH", "block_size": "8", "draft_window": None}
+
+
+def test_a_shared_environment_line_keeps_its_other_assignments() -> None:
+    unit = UNIT.replace("Environment=CUDA_VISIBLE_DEVICES=0,1",
+                        'Environment=A=1 SGLANG_DDTREE_MAX_TOPK=9 "B=x y"')
+    rewritten = rewrite_unit(unit, SpecConfig(budget=8, topk=2), dialect=FORK)
+    assert 'Environment=A=1 "B=x y"\n' in rewritten
+    assert environment(rewritten) == {"A": "1", "B": "x y", "SGLANG_DDTREE_MAX_TOPK": "2"}
+
+
+def test_a_knob_the_dialect_cannot_set_is_refused_before_any_change() -> None:
+    host = FakeHost({UNIT_PATH: UNIT})
+    backend = SystemdBackend("gpu1", "sglang.service", runner=host, query_server_info=False,
+                             dialect=load_dialect("sglang-dflash"))
+    with pytest.raises(ConfigError, match="knob algorithm DDTREE: dialect sglang-dflash does not support it"):
+        backend.start(DEFAULT)
+    assert [c[0] for c in host.commands] == ["systemctl", "cat"]
+
+
+def test_the_fork_on_a_host_deploys_and_verifies_from_unit_and_journal() -> None:
+    host = FakeHost({UNIT_PATH: UNIT}, personality="sglang-ddtree")
+    backend = SystemdBackend("gpu1", "sglang.service", runner=host, query_server_info=False, dialect=FORK)
+    spec = SpecConfig(budget=12, topk=3)
+    backend.start(spec)
+    report = verify(backend, spec, generate=False)
+    assert report.ok, report.lines()
+    assert report.details["settings"]["topk"] == {"key": "environment variable SGLANG_DDTREE_MAX_TOPK",
+                                                  "expected": 3, "reported": 3, "ok": True}
+    assert "Initialized DDTree worker. block_size=8, tree_budget=12, max_tree_nodes=13" in report.details["init_line"]
+    assert not verify(backend, SpecConfig(budget=12, topk=4), generate=False).settings_ok

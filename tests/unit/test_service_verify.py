@@ -8,6 +8,7 @@ import pytest
 
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ServiceVerifyError
+from ddtree.service.dialects import load_dialect
 from ddtree.service.fake import FakeBackend
 from ddtree.service.readiness import wait_ready
 from ddtree.service.verify import compare_init_line, compare_settings, parse_init_line, verify, verify_or_raise
@@ -104,9 +105,10 @@ def test_sglang_runner_line_is_parsed() -> None:
     kind, line, values = parse_init_line("loading...\n" + SGLANG_LINE + "\nready\n")  # type: ignore[misc]
     assert kind == "DFLASH draft runner" and line.startswith("Initialized DFLASH")
     assert values["block_size"] == "8" and values["draft_window_size"] == "2048"
-    checked, _, error = compare_init_line(SpecConfig(Algorithm.DFLASH), SGLANG_LINE)
+    stock = load_dialect("sglang-dflash")
+    checked, _, error = compare_init_line(SpecConfig(Algorithm.DFLASH), SGLANG_LINE, stock)
     assert error is None and all(v["ok"] for v in checked.values())
-    checked, _, _ = compare_init_line(SpecConfig(Algorithm.DFLASH, draft_window=None), SGLANG_LINE)
+    checked, _, _ = compare_init_line(SpecConfig(Algorithm.DFLASH, draft_window=None), SGLANG_LINE, stock)
     assert not checked["draft_window_size"]["ok"] and not checked["compact_cache"]["ok"]
 
 
