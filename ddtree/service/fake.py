@@ -13,6 +13,8 @@ Failure modes come from the environment (FakeBackend.env):
     DDTREE_FAKE_VERIFY_CT     spec_verify_ct to report instead of the computed one
     DDTREE_FAKE_IGNORE_SIGTERM "1": survive SIGTERM (tests SIGKILL escalation)
     DDTREE_FAKE_DIALECT       the server it pretends to be (overrides --fake-dialect)
+    DDTREE_FAKE_START_ERROR   "WORDS::MESSAGE": when WORDS occur in the command line, print MESSAGE
+                              and exit 1 at once (a start that fails, e.g. a missing module)
 
 It speaks one of three servers (`--fake-dialect`), each written from that server's own flags and
 log lines, not from the dialect files, so a sweep against it tests the dialects too:
@@ -157,8 +159,13 @@ def _server_info(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parse(argv)
     env = os.environ.get
+    if fail := env("DDTREE_FAKE_START_ERROR"):
+        words, _, message = fail.partition("::")
+        if words in " ".join(sys.argv[1:] if argv is None else argv):
+            print(f"Traceback (most recent call last):\n  ...\n{message}", flush=True)
+            sys.exit(1)
+    args = _parse(argv)
     launched = time.monotonic()
     if env("DDTREE_FAKE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

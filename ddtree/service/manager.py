@@ -8,20 +8,51 @@
 
 A deploy is start -> wait_ready -> verify_or_raise; the manager trusts nothing it has not
 verified: after a failed deploy the current config is unknown, and a service found dead at the
-next ensure() is redeployed.
+next ensure() is redeployed (once per config: a second death, like a failed start, fails the
+config's remaining cells at once).
+
+Failing fast, because a real start can take many minutes: a config whose start failed gets
+`start_retries` more attempts (0 or 1), then is not started again; every later ensure() of it
+raises the same error with the same log tail. When two different configs in a row fail to start
+with the same error (the same first line and the same last log line, numbers aside: a missing
+module, a bad flag, no GPU) the sweep is aborted with SweepAborted: no other config could start.
+The default is still restored (attempted, and the outcome reported) by the context manager.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from types import TracebackType
 
 from ddtree.config import DEFAULT_SPEC, SpecConfig
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ServiceError, ServiceStartError
 from ddtree.service.base import Deployment, ServiceBackend, VerifyReport
 from ddtree.service.readiness import wait_ready
 from ddtree.service.verify import verify_or_raise
+
+
+class ServiceDied(ServiceError):
+    """The service died under a measurement; carries the log tail of its start."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(message + (f"\n--- service log tail ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+
+
+class SweepAborted(ServiceError):
+    """Two configs in a row failed to start with the same error: no other config will start either."""
+
+
+def start_error_signature(err: BaseException) -> str:
+    """What makes two start failures "the same": the error's first line and the log tail's last
+    non-empty line, with numbers (ports, pids, seconds, config values) and config ids blanked."""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    tail = [line for line in getattr(err, "log_tail", "").splitlines() if line.strip()]
+    text = f"{type(err).__name__}: {first} | {tail[-1] if tail else ''}"
+    text = re.sub(r"\b(b(auto)?\d*-k\d+-w(none|\d+)-bs\d+|dflash-w(none|\d+)-bs\d+|ar)\b", "<config>", text)
+    return re.sub(r"\d+(\.\d+)?", "N", text)
 
 
 class ServiceManager:
@@ -37,9 +68,17 @@ class ServiceManager:
         poll_s: float = 0.5,
         verify_generation: bool = True,
         restore_on_exit: bool = True,
+        start_retries: int = 1,
     ) -> None:
         if startup_timeout_s <= 0:
             raise ConfigError(f"startup_timeout_s: {startup_timeout_s} must be > 0 seconds")
+        if start_retries not in (0, 1):
+            raise ConfigError(f"start_retries: {start_retries!r}; allowed: 0 or 1 (extra attempts per config)")
+        self.start_retries = start_retries
+        self.failed: dict[str, ServiceError] = {}  # config id -> why it is not started again
+        self.deaths: dict[str, int] = {}  # config id -> times its service died after a verified start
+        self.aborted: SweepAborted | None = None
+        self._last_failure: tuple[str, str] | None = None  # (config id, signature) of the last failed deploy
         self.backend = backend
         self.default_spec = default_spec
         self.startup_timeout_s = startup_timeout_s
@@ -57,13 +96,64 @@ class ServiceManager:
 
     # -- deploying -------------------------------------------------------------------------------
     def ensure(self, spec: SpecConfig) -> VerifyReport:
-        """Make the service run `spec`: nothing to do when it already does and is alive."""
+        """Make the service run `spec`: nothing to do when it already does and is alive.
+
+        Raises the recorded error at once for a config whose start failed, and SweepAborted (for
+        every config) once the sweep was aborted.
+        """
+        if self.aborted is not None:
+            raise self.aborted
+        if spec.id in self.failed:
+            raise self.failed[spec.id]
         if spec == self.current and self.last_report is not None:
             alive, reason = self.backend.is_alive()
             if alive:
                 return self.last_report
-            self.log(f"[{self.backend.name}] service running {spec.id} is down ({reason}); redeploying")
-        return self.deploy(spec)
+            self.deaths[spec.id] = self.deaths.get(spec.id, 0) + 1
+            if self.deaths[spec.id] > 1:
+                err = ServiceStartError(f"{spec.id}: not started again: its service died twice under "
+                                        f"cells ({reason})", log_tail=self.backend.log_tail())
+                self.failed[spec.id] = err
+                raise err
+            self.log(f"[{self.backend.name}] service running {spec.id} is down ({reason}); redeploying once")
+        return self.deploy_or_give_up(spec)
+
+    def deploy_or_give_up(self, spec: SpecConfig) -> VerifyReport:
+        """deploy() with at most `start_retries` more attempts after a failed start; then the config
+        is marked failed, and a second config in a row failing the same way aborts the sweep."""
+        for attempt in range(1 + self.start_retries):
+            try:
+                report = self.deploy(spec)
+            except ServiceStartError as err:
+                error: ServiceError = err
+                if attempt < self.start_retries:
+                    self.log(f"[{self.backend.name}] {spec.id} did not start ({str(err).splitlines()[0]}); "
+                             f"attempt {attempt + 2} of {1 + self.start_retries}")
+                    continue
+            except ServiceError as err:  # started but not what was asked for: another start will not help
+                error = err
+            else:
+                self._last_failure = None
+                return report
+            break
+        attempts = attempt + 1
+        head = f"{spec.id}: start failed ({attempts} attempt{'s' if attempts != 1 else ''}; not started again): "
+        if isinstance(error, ServiceStartError):  # keep the log tail once, after the message
+            message = str(error).split("\n--- service log tail ---")[0]
+            failed: ServiceError = ServiceStartError(head + message, log_tail=error.log_tail)
+        else:
+            failed = ServiceError(head + str(error))
+        self.failed[spec.id] = failed
+        signature = start_error_signature(error)
+        previous, self._last_failure = self._last_failure, (spec.id, signature)
+        if previous is not None and previous[0] != spec.id and previous[1] == signature:
+            tail = getattr(error, "log_tail", "")
+            self.aborted = SweepAborted(
+                f"sweep aborted: {previous[0]} and {spec.id} failed to start in a row with the same error "
+                f"({str(error).splitlines()[0]}); no other config is started"
+                + (f"\n--- service log tail ---\n{tail}" if tail else ""))
+            raise self.aborted from failed
+        raise failed
 
     def deploy(self, spec: SpecConfig) -> VerifyReport:
         """Start (or, for url, check) `spec`, wait until ready, verify; raise ServiceError on failure."""

@@ -20,7 +20,7 @@ import pytest
 
 from ddtree.config import SpecConfig
 from ddtree.grid import Cell
-from ddtree.service.manager import ServiceManager
+from ddtree.service.manager import ServiceManager, SweepAborted
 from ddtree.suite.cells import CELL_ARG, item_spec
 from ddtree.suite.options import SuiteOptions, worker_index
 from ddtree.suite.state import suite_options, suite_state
@@ -126,7 +126,8 @@ def service(request: pytest.FixtureRequest) -> Iterator[ServiceManager]:
     log = _log_to_terminal(config)
     backend = build_backend(options, log)
     state.service_used = True
-    manager = ServiceManager(backend, options.grid.default, startup_timeout_s=options.startup_timeout_s, log=log)
+    manager = ServiceManager(backend, options.grid.default, startup_timeout_s=options.startup_timeout_s, log=log,
+                             start_retries=options.start_retries)
     try:
         with manager:
             try:
@@ -144,7 +145,11 @@ def deployed(request: pytest.FixtureRequest, service: ServiceManager) -> Service
     spec: SpecConfig | None = item_spec(request.node)
     if spec is None:
         raise pytest.UsageError(f"{request.node.nodeid}: `deployed` needs a `cell` or `config_cell` parameter")
-    service.ensure(spec)
+    try:
+        service.ensure(spec)
+    except SweepAborted as err:  # stop after this item; the session teardown still restores the default
+        request.session.shouldstop = str(err).splitlines()[0]
+        raise
     return service
 
 

@@ -38,6 +38,7 @@ import pytest
 
 from ddtree.bench.report import write_sweep_summary
 from ddtree.bench.results import write_summary_csv
+from ddtree.service.manager import ServiceDied
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, Expansion, parametrize, sort_items
 from ddtree.suite.floors import write_floors
 from ddtree.suite.options import add_options, option_flags, parse_options, suite_requested
@@ -183,6 +184,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     sort_items(items, suite_state(config).expansion)
+
+
+# -- a service that dies under a cell --------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """A cell that fails while its service is dead fails with that reason and the log tail, not
+    with whatever the client saw (a connection reset); the next cell of the config redeploys."""
+    try:
+        return (yield)
+    except Exception as err:
+        manager = getattr(item, "funcargs", {}).get("deployed") if suite_active(item.config) else None
+        if manager is None:
+            raise
+        alive, reason = manager.backend.is_alive()
+        if alive:
+            raise
+        raise ServiceDied(f"service died during {item.callspec.id} ({reason})",  # type: ignore[attr-defined]
+                          log_tail=manager.backend.log_tail()) from err
 
 
 # -- end of the run ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ddtree.config import SpecConfig
-from ddtree.errors import ServiceStartError
+from ddtree.errors import ConfigError, ServiceStartError
 from ddtree.service.fake import FakeBackend
 from ddtree.service.manager import ServiceManager
 
@@ -65,13 +65,16 @@ def test_crashed_service_is_redeployed_at_next_ensure(make_manager: MakeManager)
     assert manager.deploy_history == [A, A]
 
 
-def test_failed_deploy_leaves_the_config_unknown(make_manager: MakeManager) -> None:
+def test_a_failed_start_is_retried_once_then_the_config_is_not_started_again(make_manager: MakeManager) -> None:
     manager = make_manager(DDTREE_FAKE_CRASH_AFTER_S=0.2, DDTREE_FAKE_LOAD_S=30)
-    with pytest.raises(ServiceStartError, match="died while starting"):
+    with pytest.raises(ServiceStartError, match=rf"{A.id}: start failed \(2 attempts; not started again\): .*died"):
         manager.ensure(A)
-    assert manager.current is None
-    manager.backend.env.clear()  # the next start is healthy
-    assert manager.ensure(A).ok and manager.deploy_count == 2
+    assert manager.current is None and manager.deploy_count == 2
+    manager.backend.env.clear()  # a start would work now, but an 11-minute start is not tried per cell
+    with pytest.raises(ServiceStartError, match="not started again") as again:
+        manager.ensure(A)
+    assert manager.deploy_count == 2 and "simulated crash" in again.value.log_tail
+    assert manager.ensure(B).ok and manager.deploy_count == 3  # another config still starts
 
 
 @pytest.mark.parametrize("error", [RuntimeError("cell failed"), KeyboardInterrupt()],
@@ -115,3 +118,21 @@ def test_failed_restore_without_an_error_raises(make_manager: MakeManager) -> No
     with pytest.raises(ServiceStartError), manager:
         manager.ensure(A)
         manager.backend.env.update(DDTREE_FAKE_LOAD_S="30", DDTREE_FAKE_CRASH_AFTER_S="0.2")
+
+
+def test_two_start_failures_are_the_same_error_whatever_their_ports_pids_and_configs() -> None:
+    from ddtree.service.manager import start_error_signature
+
+    def failure(port: int, pid: int, config: str, last: str) -> ServiceStartError:
+        return ServiceStartError(f"sglang service at http://gpu1:{port} died while starting (pid {pid} exited "
+                                 f"with code 1) after {pid / 100:.1f} s",
+                                 log_tail=f"=== ddtree service start {config}: ...\nTraceback\n{last}\n")
+    missing = "ModuleNotFoundError: No module named 'flash_attn'"
+    one, two = failure(30001, 4242, "b8-k4-w2048-bs8", missing), failure(30002, 977, "dflash-wnone-bs16", missing)
+    assert start_error_signature(one) == start_error_signature(two)
+    assert start_error_signature(one) != start_error_signature(failure(30001, 4242, "ar", "CUDA out of memory"))
+
+
+def test_start_retries_is_zero_or_one(make_manager: MakeManager) -> None:
+    with pytest.raises(ConfigError, match="start_retries: 2; allowed: 0 or 1"):
+        ServiceManager(FakeBackend(port=1), DEFAULT, start_retries=2)

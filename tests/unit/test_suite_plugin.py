@@ -170,13 +170,52 @@ def test_killing_the_service_mid_sweep_fails_those_cells_and_restores_the_defaul
     result = run(suite_dir, "-m", "perf")
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines([  # in output order: the redeploy is logged live, failures at the end
-        "*service running ar is down*redeploying*",
-        "*ar-ctx8-c1: 2/2 requests failed in repeat 1*connection*",
+        "*service running ar is down*redeploying once*",
+        "E   *ServiceDied: service died during ar-ctx8-c1 (pid * killed by SIGKILL)",
+        "E *--- service log tail ---",
+        "E *Initialized AR worker.",
         "deploys: 3 (ar, ar, b4-k4-w2048-bs8)",
         "restore: default b8-k4-w2048-bs8 restored and verified*",
     ])
     cells = sorted(p.name for p in (suite_dir.path / "results" / "cells").iterdir())
     assert "ar__ctx8__c1.json" not in cells and len(cells) == 3  # a failed cell is an error, not a number
+
+
+def test_a_failing_start_costs_one_attempt_per_config_plus_one_retry(suite_dir: pytest.Pytester,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDTREE_FAKE_START_ERROR",
+                       "--speculative-ddtree-budget 4::ModuleNotFoundError: No module named 'flash_attn'")
+    for retries, attempts in (("1", 2), ("0", 1)):
+        result = run(suite_dir, "-m", "perf", "--start-retries", retries, "--results-dir", f"results{retries}")
+        result.assert_outcomes(passed=2, errors=2)  # both b4 cells error; ar's two pass
+        result.stdout.fnmatch_lines([
+            f"E   *ServiceStartError: b4-k4-w2048-bs8: start failed ({attempts} attempt*; not started again): "
+            f"fake service * died while starting (pid * exited with code 1)*",
+            "E *--- service log tail ---", "*ModuleNotFoundError: No module named 'flash_attn'",
+            f"deploys: {1 + attempts} (ar, b4-k4-w2048-bs8*)",
+            "restore: default b8-k4-w2048-bs8 restored and verified*"])
+        logs = "".join(p.read_text() for p in (suite_dir.path / f"results{retries}/service-logs").iterdir())
+        assert logs.count("=== ddtree service start b4-k4-w2048-bs8") == attempts, logs
+
+
+def test_the_same_start_error_on_two_configs_in_a_row_aborts_the_sweep_and_still_restores(
+        suite_dir: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDTREE_FAKE_START_ERROR", "--speculative-algorithm DDTREE::ImportError: libcuda.so.1: "
+                                                  "cannot open shared object file")
+    write_grid(suite_dir, {**GRID, "configs": [{"algorithm": "NONE"}, {"budget": 4}, {"budget": 16}, {"budget": 32}]})
+    result = run(suite_dir, "-m", "perf", "--start-retries", "0")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.assert_outcomes(passed=2, errors=4)  # ar x2; b4 x2 (one start); b16's first, which aborts; the restore
+    result.stdout.fnmatch_lines([
+        "E   *SweepAborted: sweep aborted: b4-k4-w2048-bs8 and b16-k4-w2048-bs8 failed to start in a row with the "
+        "same error (fake service * died while starting*); no other config is started",
+        "E *--- service log tail ---", "E *ImportError: libcuda.so.1: cannot open shared object file",
+        "deploys: 3 (ar, b4-k4-w2048-bs8, b16-k4-w2048-bs8)",
+        "restore: default b8-k4-w2048-bs8 NOT restored: *died while starting*",
+        "*Interrupted: sweep aborted: b4-k4-w2048-bs8 and b16-k4-w2048-bs8 failed to start in a row*"])
+    assert "b32" not in "".join(p.read_text() for p in (suite_dir.path / "results/service-logs").iterdir())
+    restore = json.loads((suite_dir.path / "results" / "restore.json").read_text())
+    assert restore["ok"] is False and "libcuda.so.1" in restore["error"]
 
 
 INTERRUPTIBLE = '''
