@@ -1,26 +1,45 @@
 """The batching thread: it alone owns the DecodeBatch; requests join between rounds and leave when done.
 
 Continuous batching in one loop: admit waiting requests (FIFO) into free slots, apply
-cancellations, run one `step()` for everything running, hand each StepOutput to the request's
-sink. Sinks are called on this thread; the server wraps them with `loop.call_soon_threadsafe`.
-Nothing here knows about HTTP or text.
+cancellations, run one `step()` for everything running, then hand what that iteration produced
+(every request's StepOutput or Failure) to `deliver` in ONE call: the server turns it into one
+`loop.call_soon_threadsafe` per round, not one per request (each is a wake-up of the event loop
+and a write to its self-pipe, under the GIL the round needs too). Without `deliver`, each event
+goes to its request's sink on this thread. Nothing here knows about HTTP or text.
+
+Two things keep a served round as fast as the engine's own:
+- the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
+  device with the GIL released and needs it back the moment the device is done; with CPython's
+  default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
+- on a batch with CUDA graphs (`batch.graphs`), the thread first runs a short generation at every
+  row bucket up to `max_running` and a lone prefill at every graphed width (`warm_token`), so no
+  capture (~15 ms each, many for budget auto) is first met while serving.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ddtree.cuda_graphs import ROW_BUCKETS
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
 from ddtree.serving.metrics import ServerMetrics
 
 log = logging.getLogger("ddtree.server")
+
+# The GIL switch interval while a scheduler runs (CPython's default is 5 ms). A thread that wants the GIL
+# waits this long before the holder is asked to let go: the most a busy event loop delays a round that has
+# finished waiting on the device. Measured with the emulated 1 ms round at 32 streams (docs/perf.md).
+SWITCH_INTERVAL_S = 0.0005
+WARM_PREFILL_WIDTHS = (64, 128, 256, 512, 1024, 2048, 4096)  # lone prompts a graphed batch replays a prefill for
+WARM_NEW_TOKENS = 40  # tokens per warm-up request: >= 3 rounds at block 16 (budget auto captures from its second)
 
 
 class DecodeBatchLike(Protocol):
@@ -35,7 +54,8 @@ class DecodeBatchLike(Protocol):
     def add(self, request: Request) -> list[StepOutput] | None: ...  # the first token(s)
 
     # Optional (the scheduler looks them up): add_many(requests) -> list[StepOutput] prefills several
-    # at once; validate(request) raises the RequestError add would, without a forward.
+    # at once; validate(request) raises the RequestError add would, without a forward; graphs (not None:
+    # rounds are CUDA graphs, captured when first met) and max_len, for the warm-up.
 
     def step(self) -> list[StepOutput]: ...
 
@@ -54,6 +74,13 @@ class Failure:
 
 Event = StepOutput | Failure
 Sink = Callable[[Event], None]
+Deliver = Callable[[list[tuple[Sink, Event]]], None]  # one call per loop iteration: every (sink, event) of it
+
+
+def deliver_inline(items: list[tuple[Sink, Event]]) -> None:
+    """Each event to its sink, on the calling thread (the default)."""
+    for sink, event in items:
+        sink(event)
 
 
 @dataclass
@@ -72,11 +99,18 @@ class Scheduler:
     """Run `batch` on a background thread, at most `max_running` requests at a time."""
 
     def __init__(
-        self, batch: DecodeBatchLike, max_running: int, metrics: ServerMetrics | None = None
+        self, batch: DecodeBatchLike, max_running: int, metrics: ServerMetrics | None = None,
+        deliver: Deliver = deliver_inline, warm_token: int | None = None,
+        switch_interval_s: float | None = SWITCH_INTERVAL_S,
     ) -> None:
+        """warm_token: a token id the warm-up generations may use (None: no warm-up); switch_interval_s:
+        None leaves the process's GIL switch interval alone."""
         self.batch = batch
         self.max_running = max_running
         self.metrics = metrics or ServerMetrics()
+        self.deliver = deliver
+        self.warm_token = warm_token
+        self.switch_interval_s = switch_interval_s
         self._cond = threading.Condition()
         self._pending: collections.deque[_Ticket] = collections.deque()
         self._running: dict[str, _Ticket] = {}
@@ -84,11 +118,15 @@ class Scheduler:
         self._cancels: set[str] = set()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._outbox: list[tuple[Sink, Event]] = []  # this iteration's events (scheduler thread only)
         self.last_round_at = time.monotonic()
         self.rounds = 0
+        self.warm_seconds: float | None = None  # how long the warm-up took (None: none ran)
 
     # -- called from any thread ------------------------------------------------------------------
     def start(self) -> None:
+        if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
+            sys.setswitchinterval(self.switch_interval_s)
         self._thread = threading.Thread(target=self._run, name="ddtree-scheduler", daemon=True)
         self._thread.start()
 
@@ -127,9 +165,9 @@ class Scheduler:
                     self._cancels.add(request_id)
                     self._cond.notify_all()
                 return
-        ticket.sink(abort_output(request_id, 0))
         if ticket.counted:
             self.metrics.record_outcome("abort")
+        self.deliver([(ticket.sink, abort_output(request_id, 0))])
 
     @property
     def in_flight(self) -> int:
@@ -143,6 +181,7 @@ class Scheduler:
 
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        self._warm_up()
         while True:
             with self._cond:
                 while not (self._stop or self._pending or self._cancels or self._running):
@@ -155,15 +194,56 @@ class Scheduler:
             for request_id in cancels:
                 self._cancel_running(request_id)
             self._admit_all(admit)
-            self.metrics.set_load(len(self._running), self.queued)
+            self.metrics.set_load(len(self._running), len(self._pending))
             if self._running:
                 self._round()
+            self._flush()
         for request_id in list(self._running):
             self._cancel_running(request_id)
         with self._cond:
             left, self._pending = list(self._pending), collections.deque()
         for ticket in left:
             self._finish(ticket, abort_output(ticket.request.request_id, 0))
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            self.deliver(items)
+
+    def _warm_up(self) -> None:
+        """On a graphed batch: a generation at every row bucket up to max_running (largest first) and a lone
+        prefill at every width a graph serves, so serving meets no capture. Greedy rounds only: a sampled
+        round's graphs (temperature > 0) are still captured when first met."""
+        batch, token = self.batch, self.warm_token
+        if token is None or getattr(batch, "graphs", None) is None:
+            return
+        started = time.perf_counter()
+        max_len = getattr(batch, "max_len", 0)
+        buckets = sorted({b for b in ROW_BUCKETS if b < self.max_running} | {self.max_running}, reverse=True)
+        widths = [w for w in WARM_PREFILL_WIDTHS if w + WARM_NEW_TOKENS < max_len]
+        runs = [[Request(f"warm-{rows}-{i}", [token], WARM_NEW_TOKENS, ignore_eos=True) for i in range(rows)]
+                for rows in buckets if rows <= batch.free_slots]
+        runs += [[Request(f"warm-prefill-{w}", [token] * w, 1, ignore_eos=True)] for w in widths]
+        try:
+            for requests in runs:
+                self._warm_batch(requests)
+        except Exception:  # a failed warm-up costs speed, not service: what it missed is captured when met
+            log.exception("warm-up of the batch's CUDA graphs failed; serving without it")
+            for requests in runs:
+                for r in requests:
+                    batch.cancel(r.request_id)
+        self.warm_seconds = time.perf_counter() - started
+        log.info("Warmed the batch's CUDA graphs (row buckets %s, prefill widths %s) in %.1f s",
+                 buckets[::-1], widths, self.warm_seconds)
+
+    def _warm_batch(self, requests: list[Request]) -> None:
+        """Prefill `requests` together (one alone: the lone prefill) and step until every one has finished."""
+        add_many = getattr(self.batch, "add_many", None)
+        first = add_many(requests) if add_many is not None and len(requests) > 1 else self.batch.add(requests[0])
+        left = {r.request_id for r in requests} - {o.request_id for o in first or [] if o.finished}
+        while left:
+            left -= {o.request_id for o in self.batch.step() if o.finished}
 
     def _admit_all(self, tickets: list[_Ticket]) -> None:
         """Prefill the admitted requests together where the batch can (one padded forward, not one each).
@@ -245,23 +325,26 @@ class Scheduler:
         self.metrics.record_round(tokens, time.perf_counter() - started)
 
     def _dispatch(self, outputs: list[StepOutput]) -> int:
-        """Hand each output to its request; returns the number of tokens handed out."""
-        tokens = 0
+        """Queue each output for its request (metrics summed over the outputs); returns the tokens handed out."""
+        tokens = counted_tokens = steps = drafts = 0
         for out in outputs:
             ticket = self._running.get(out.request_id)
             if ticket is None:
                 continue  # cancelled between rounds
-            tokens += len(out.new_token_ids)
-            new_steps = max(out.verify_steps - ticket.verify_steps, 0)
-            ticket.verify_steps = out.verify_steps
-            drafts = sum(max(a - 1, 0) for a in out.accept_lengths)
+            new = len(out.new_token_ids)
+            tokens += new
             if ticket.counted:
-                self.metrics.record_progress(len(out.new_token_ids), new_steps, drafts)
+                counted_tokens += new
+                steps += max(out.verify_steps - ticket.verify_steps, 0)
+                drafts += sum(max(a - 1, 0) for a in out.accept_lengths)
+            ticket.verify_steps = out.verify_steps
             if out.finished:
                 self._running.pop(out.request_id)
                 self._finish(ticket, out)
             else:
-                ticket.sink(out)
+                self._outbox.append((ticket.sink, out))
+        if counted_tokens or steps:
+            self.metrics.record_progress(counted_tokens, steps, drafts)
         return tokens
 
     def _cancel_running(self, request_id: str) -> None:
@@ -279,11 +362,11 @@ class Scheduler:
             self._known.discard(ticket.request.request_id)
         if ticket.counted:
             self.metrics.record_outcome(out.finish_reason or "abort")
-        ticket.sink(out)
+        self._outbox.append((ticket.sink, out))
 
     def _fail(self, ticket: _Ticket, failure: Failure) -> None:
         with self._cond:
             self._known.discard(ticket.request.request_id)
         if ticket.counted:
             self.metrics.record_outcome("error" if failure.status_code >= 500 else "rejected")
-        ticket.sink(failure)
+        self._outbox.append((ticket.sink, failure))

@@ -1,8 +1,11 @@
 """One served model: the scheduler, the per-request streams back into asyncio, and the response fields.
 
 `ServerState` is what the routes talk to. A `RequestStream` turns the scheduler thread's events
-into an async iterator on the event loop (via `loop.call_soon_threadsafe`) and accumulates what
-the response reports: output ids, verify steps, accept lengths, the finish reason.
+into an async iterator on the event loop and accumulates what the response reports: output ids,
+verify steps, accept lengths, the finish reason. The scheduler hands over each round's events in
+one `loop.call_soon_threadsafe`; a stream that has not caught up yields once for every round that
+arrived meanwhile (a slow client gets fewer, larger chunks, and the loop's work stays bounded by
+what it can send), and a non-streaming request wakes only when it has finished.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,13 +23,19 @@ from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
 from ddtree.serving.args import ServerArgs
 from ddtree.serving.metrics import ServerMetrics
-from ddtree.serving.scheduler import DecodeBatchLike, Event, Failure, Scheduler
+from ddtree.serving.scheduler import DecodeBatchLike, Event, Failure, Scheduler, Sink
 from ddtree.serving.validation import Limits, new_rid
 from ddtree.text import TextCodec
 
 log = logging.getLogger("ddtree.server")
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+# Streamed chunks per second, all streams together, that the server aims at: each stream waits
+# open_streams / STREAM_CHUNKS_PER_S after a chunk before its next (a chunk holds every round since).
+# One stream gets a chunk per round up to 2000 rounds/s; 32 get one every 16 ms. A chunk costs the
+# loop ~50-100 us and a Python client about as much, so a chunk per round per stream at 32 streams
+# and ~1 ms rounds (AR on the H200) saturated both (docs/perf.md, "HTTP server").
+STREAM_CHUNKS_PER_S = 2000.0
 READY_LINE = "The server is fired up and ready to roll!"
 
 
@@ -51,6 +60,7 @@ class Progress:
     accept_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_latency: float | None = None
+    accept_histogram: list[int] = field(default_factory=lambda: [0])  # [n]: rounds that accepted n tokens
 
     def apply(self, out: StepOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
@@ -58,6 +68,10 @@ class Progress:
             self.first_token_latency = time.perf_counter() - self.started
         self.verify_steps = max(self.verify_steps, out.verify_steps)
         self.accept_lengths.extend(out.accept_lengths)
+        for length in out.accept_lengths:  # kept as it grows: every streamed chunk reports it
+            if length >= len(self.accept_histogram):
+                self.accept_histogram.extend([0] * (length + 1 - len(self.accept_histogram)))
+            self.accept_histogram[length] += 1
         if out.finished:
             self.finish_reason = out.finish_reason or "abort"
 
@@ -78,9 +92,6 @@ class Progress:
 
     def meta_info(self, eos_token_id: int | None) -> dict[str, Any]:
         completion = len(self.output_ids)
-        histogram = [0] * (max(self.accept_lengths, default=0) + 1)
-        for length in self.accept_lengths:
-            histogram[length] += 1
         verify = self.verify_steps
         return {
             "id": self.request.request_id,
@@ -92,31 +103,78 @@ class Progress:
             "first_token_latency": self.first_token_latency,
             "spec_verify_ct": verify,
             "spec_accept_length": completion / verify if verify else 0.0,
-            "spec_accept_histogram": histogram,
+            "spec_accept_histogram": list(self.accept_histogram),
             "spec_num_correct_drafts": sum(max(a - 1, 0) for a in self.accept_lengths),
         }
 
 
 class RequestStream:
-    """The event-loop side of one request: scheduler events arrive through a thread-safe queue."""
+    """The event-loop side of one request: `push` (on the loop) applies the scheduler's events.
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+    every_round: wake the consumer for every round that touched the request (streaming), else only when
+    it has finished or failed (a plain answer needs nothing in between). pace: seconds the consumer
+    waits after an update before the next one (the first and the last are never held back); on_done:
+    called once when the request has finished or failed."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, every_round: bool = True,
+                 pace: Callable[[], float] | None = None, on_done: Callable[[], None] | None = None) -> None:
         self.progress = Progress(request)
+        self.every_round = every_round
         self._loop = loop
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pace = pace
+        self._on_done = on_done
+        self._failure: Failure | None = None
+        self._fresh = False  # progress the consumer has not seen yet
+        self._not_before = 0.0  # loop time before which a running request's next update waits
+        self._waiter: asyncio.Future[None] | None = None
 
-    def sink(self, event: Event) -> None:
-        """Called on the scheduler thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+    def push(self, event: Event) -> None:
+        """Called on the event loop."""
+        if isinstance(event, Failure):
+            self._failure = event
+        else:
+            self.progress.apply(event)
+        self._fresh = True
+        if self._on_done is not None and (self._failure is not None or self.progress.finished):
+            self._on_done()
+            self._on_done = None
+        if self._ready():
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _ready(self) -> bool:
+        if not self._fresh:
+            return False
+        if self._failure is not None or self.progress.finished:
+            return True
+        return self.every_round and self._loop.time() >= self._not_before
 
     async def updates(self) -> AsyncIterator[Progress]:
-        """Yield the progress after every round that touched this request; raise RequestError on failure."""
-        while not self.progress.finished:
-            event = await self._queue.get()
-            if isinstance(event, Failure):
-                raise RequestError(event.message, field=event.field, status_code=event.status_code)
-            self.progress.apply(event)
+        """Yield the progress once per wake-up (every round since the last one applied); raise RequestError
+        on failure."""
+        while True:
+            while not self._ready():
+                self._waiter = self._loop.create_future()
+                # fresh progress held back only by the pace: wake when the pace allows
+                timer = self._loop.call_at(self._not_before, self._wake) if self._fresh and self.every_round else None
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+            self._fresh = False
+            if self._failure is not None:
+                failure = self._failure
+                raise RequestError(failure.message, field=failure.field, status_code=failure.status_code)
+            if self._pace is not None:
+                self._not_before = self._loop.time() + self._pace()
             yield self.progress
+            if self.progress.finished and not self._fresh:  # a finish that landed during the yield is yielded next
+                return
 
     async def result(self) -> Progress:
         async for _ in self.updates():
@@ -139,7 +197,11 @@ class ServerState:
         self.metrics = ServerMetrics()
         # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
         batch = engine.open_batch(spec, args.max_running_requests, self.context_length + spec.max_nodes)
-        self.scheduler = Scheduler(batch, args.max_running_requests, self.metrics)
+        warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
+        self.scheduler = Scheduler(batch, args.max_running_requests, self.metrics, deliver=self._deliver,
+                                   warm_token=warm_token)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open_streams = 0  # streaming requests not yet finished (their chunks share STREAM_CHUNKS_PER_S)
         self.ready = False
         self.draining = False
         self.fatal: str | None = None  # set when warm-up fails; the process exits with status 1
@@ -147,7 +209,18 @@ class ServerState:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the scheduler thread; called on the event loop that will serve (its events go there)."""
+        self._loop = asyncio.get_running_loop()
         self.scheduler.start()
+
+    def _deliver(self, items: list[tuple[Sink, Event]]) -> None:
+        """The scheduler thread's events of one iteration, onto the loop in one hop."""
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_push_all, items)
+        except RuntimeError:  # the loop has closed: nobody is waiting for these any more
+            pass
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -174,10 +247,26 @@ class ServerState:
         log.info(READY_LINE)
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: Request, counted: bool = True) -> RequestStream:
-        stream = RequestStream(request, asyncio.get_running_loop())
-        self.scheduler.submit(request, stream.sink, counted)
-        return stream
+    def submit(self, request: Request, counted: bool = True, stream: bool = True) -> RequestStream:
+        """Queue `request`; stream=False: its consumer only wants the finished result."""
+        if not stream:
+            out = RequestStream(request, asyncio.get_running_loop(), every_round=False)
+        else:
+            out = RequestStream(request, asyncio.get_running_loop(), pace=self._stream_pace, on_done=self._stream_done)
+            self._open_streams += 1
+        try:
+            self.scheduler.submit(request, out.push, counted)
+        except RequestError:
+            if stream:
+                self._stream_done()
+            raise
+        return out
+
+    def _stream_pace(self) -> float:
+        return self._open_streams / STREAM_CHUNKS_PER_S
+
+    def _stream_done(self) -> None:
+        self._open_streams -= 1
 
     def cancel(self, stream: RequestStream) -> None:
         if not stream.progress.finished:
@@ -217,3 +306,8 @@ class ServerState:
             info["internal_states"][0] |= {"last_spec_budget": batch.last_budget,
                                            "avg_spec_budget": batch.budget_total / batch.budget_rounds}
         return info
+
+
+def _push_all(items: list[tuple[Sink, Event]]) -> None:
+    for push, event in items:
+        push(event)

@@ -1,0 +1,470 @@
+r"""The HTTP server against the engine in process, on the same prompts: `python -m ddtree.bench.http_vs_engine`.
+
+    python -m ddtree.bench.http_vs_engine --device cuda --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 \
+        --contexts 60 1024 4096 --concurrency 1 8 32 --repeats 3 --out http_vs_engine.json
+    python -m ddtree.bench.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
+
+Per config one server is started (`python -m ddtree.server`, the suite's local backend) and one batch is
+opened in this process the way the server opens its own (same rows, same length). Per cell (context x
+concurrency) every repeat times, in turn: the batch driven directly (a closed loop of `concurrency`
+requests, as the server's scheduler would run it with no HTTP, thread or text in between), a streaming
+client and a non-streaming client (the sweep's load generator, ddtree.bench.loadgen). Each prints
+output tok/s, TTFT, TPOT and E2E (median and p90) and the ratio HTTP / in process of the medians.
+
+Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
+`ddtree.bench.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
+cell's concurrency), so what a server does not warm before serving shows up in its numbers.
+
+`--engine emulated` replaces the model with a batch whose round waits `--round-ms` without the GIL (a
+device sync's wait) and then does its rows' host work: the HTTP path's own cost on a machine without
+a GPU, in the same table. Outputs at T = 0 must be the same both ways; the exit status is 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ddtree.bench.loadgen import RequestRecord, run_requests
+from ddtree.bench.metrics import percentile
+from ddtree.config import SpecConfig
+from ddtree.engine import Request, StepOutput
+from ddtree.errors import ConfigError, RequestError
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+MODES = ("engine", "stream", "plain")  # in process, streaming client, non-streaming client
+
+
+# -- an engine with no model, for the CPU ---------------------------------------------------------------
+
+
+class EmulatedBatch:
+    """The DecodeBatch protocol with a fixed round time: `round_s` waiting with the GIL released (what a
+    graphed round's one host sync does), then each row's Python bookkeeping. Tokens are a pure function
+    of (prompt, position): row i's output is its prompt read on from position len(prompt)."""
+
+    def __init__(self, spec: SpecConfig, max_batch: int, max_len: int, round_s: float, prefill_s: float,
+                 tokens_per_round: int) -> None:
+        self.spec, self.max_batch, self.max_len = spec, max_batch, max_len
+        self.round_s, self.prefill_s, self.tokens_per_round = round_s, prefill_s, tokens_per_round
+        self.rows: dict[str, list[Any]] = {}  # id -> [request, output, verify steps]
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def validate(self, request: Request) -> None:
+        if not request.prompt_ids:
+            raise RequestError("prompt is empty", field="input_ids")
+        if len(request.prompt_ids) + request.max_new_tokens > self.max_len:
+            raise RequestError("prompt + max_new_tokens exceeds the batch length", field="max_new_tokens")
+
+    def add(self, request: Request) -> list[StepOutput]:
+        return self.add_many([request])
+
+    def add_many(self, requests: Sequence[Request]) -> list[StepOutput]:
+        for request in requests:
+            self.validate(request)
+        if len(requests) > self.free_slots:
+            raise RequestError("no free slot in the batch", field="batch", status_code=503)
+        time.sleep(self.prefill_s)
+        outputs = []
+        for request in requests:
+            row = [request, [], 0]
+            self.rows[request.request_id] = row
+            outputs.append(self._emit(row, 1, None))
+        return self._retire(outputs)
+
+    def step(self) -> list[StepOutput]:
+        if not self.rows:
+            return []
+        time.sleep(self.round_s)
+        outputs = []
+        for row in self.rows.values():
+            row[2] += 1
+            outputs.append(self._emit(row, self.tokens_per_round, self.tokens_per_round))
+        return self._retire(outputs)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.rows.pop(request_id, None) is not None
+
+    def _emit(self, row: list[Any], count: int, accept: int | None) -> StepOutput:
+        request, output = row[0], row[1]
+        prompt = request.prompt_ids
+        take = min(count, request.max_new_tokens - len(output))
+        start = len(prompt) + len(output)
+        new = [prompt[(start + i) % len(prompt)] for i in range(take)]
+        output.extend(new)
+        done = len(output) >= request.max_new_tokens
+        return StepOutput(request.request_id, new, done, "length" if done else None, row[2],
+                          [accept] if accept is not None else [])
+
+    def _retire(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        for out in outputs:
+            if out.finished:
+                self.rows.pop(out.request_id, None)
+        return outputs
+
+
+@dataclass
+class EmulatedEngine:
+    """What the server needs of an Engine (EngineLike), opening EmulatedBatches."""
+
+    vocab_size: int
+    max_context: int
+    round_s: float
+    prefill_s: float
+    tokens_per_round: int
+    eos_token_id: int | None = None
+    cuda_graphs: bool = False
+    attention: str = "emulated"
+
+    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None) -> EmulatedBatch:
+        return EmulatedBatch(spec, max_batch, max_len or self.max_context, self.round_s, self.prefill_s,
+                             self.tokens_per_round)
+
+
+# -- in process -----------------------------------------------------------------------------------------
+
+
+def _sync(engine: Any) -> None:
+    device = getattr(engine, "device", None)
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], concurrency: int,
+                   max_new_tokens: int) -> list[RequestRecord]:
+    """Every prompt once through `batch`, `concurrency` in flight (closed loop, FIFO), greedy, ignore_eos;
+    a RequestRecord per prompt with the times a client would see (TTFT at the first token handed back)."""
+    records = [RequestRecord(ok=False, prompt_tokens=len(p)) for p in prompts]
+    sent: dict[str, float] = {}
+    last: dict[str, float] = {}
+    index = {f"in-{i}": i for i in range(len(prompts))}
+    waiting = list(index)
+
+    def absorb(outputs: list[StepOutput], now: float) -> None:
+        for out in outputs:
+            rec = records[index[out.request_id]]
+            if out.new_token_ids:
+                if rec.ttft_s is None:
+                    rec.ttft_s = now - sent[out.request_id]
+                else:
+                    rec.itl_s.append(now - last[out.request_id])
+                last[out.request_id] = now
+            rec.output_ids.extend(out.new_token_ids)
+            rec.completion_tokens = len(rec.output_ids)
+            if out.accept_lengths:
+                rec.spec_verify_ct = out.verify_steps
+            if out.finished:
+                rec.ok, rec.finish_reason = True, out.finish_reason
+                rec.e2e_s = now - sent[out.request_id]
+                n = rec.completion_tokens
+                if rec.ttft_s is not None and n > 1:
+                    rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (n - 1)
+
+    _sync(engine)
+    running = 0
+    while waiting or running:
+        room = min(concurrency - running, batch.free_slots, len(waiting))
+        if room:
+            joining, waiting = waiting[:room], waiting[room:]
+            now = time.perf_counter()
+            for rid in joining:
+                sent[rid] = now
+                records[index[rid]].started_at = time.time()
+            requests = [Request(rid, list(prompts[index[rid]]), max_new_tokens, ignore_eos=True) for rid in joining]
+            outputs = batch.add_many(requests)
+            running += len(joining)
+        else:
+            outputs = batch.step()
+        now = time.perf_counter()
+        absorb(outputs, now)
+        running -= sum(1 for o in outputs if o.finished)
+    return records
+
+
+# -- numbers --------------------------------------------------------------------------------------------
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
+    """tok/s over the repeat's wall time; TTFT, TPOT, E2E median and p90 in ms; failures counted."""
+    done = [r for r in records if r.ok]
+
+    def ms(values: list[float], q: float) -> float | None:
+        v = percentile(values, q)
+        return None if v is None else 1000.0 * v
+
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
+    e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+    return {"tok_per_s": sum(r.completion_tokens for r in done) / duration_s, "duration_s": duration_s,
+            "failed": len(records) - len(done), "ttft_ms": ms(ttft, 50), "p90_ttft_ms": ms(ttft, 90),
+            "tpot_ms": ms(tpot, 50), "p90_tpot_ms": ms(tpot, 90), "e2e_ms": ms(e2e, 50), "p90_e2e_ms": ms(e2e, 90)}
+
+
+def _median(values: list[float | None]) -> float | None:
+    data = [v for v in values if v is not None]
+    return statistics.median(data) if data else None
+
+
+def cell_row(config_id: str, context: int, concurrency: int, repeats: dict[str, list[dict[str, Any]]],
+             mismatched: dict[str, int]) -> dict[str, Any]:
+    """Medians over the repeats per mode, and HTTP / in process of the medians' tok/s."""
+    row: dict[str, Any] = {"config": config_id, "context": context, "concurrency": concurrency}
+    for mode, reps in repeats.items():
+        row[mode] = {key: _median([r[key] for r in reps]) for key in reps[0]} | {
+            "tok_per_s_repeats": [r["tok_per_s"] for r in reps]}
+    engine_tps = row["engine"]["tok_per_s"]
+    for mode in ("stream", "plain"):
+        if mode in row and engine_tps:
+            row[mode]["ratio"] = row[mode]["tok_per_s"] / engine_tps
+            e2e, p90 = row[mode]["e2e_ms"], row[mode]["p90_e2e_ms"]
+            row[mode]["p90_over_median_e2e"] = p90 / e2e if e2e and p90 else None
+    row["mismatched"] = mismatched
+    return row
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'config':20} {'ctx':>5} {'C':>3} {'mode':6} {'tok/s':>9} {'ratio':>6} {'TTFT ms':>8} {'p90':>7} "
+            f"{'TPOT ms':>8} {'E2E ms':>8} {'p90/med':>7}")
+    lines = [head]
+    for r in rows:
+        for mode in MODES:
+            m = r.get(mode)
+            if m is None:
+                continue
+            lines.append(f"{r['config']:20} {r['context']:5} {r['concurrency']:3} {mode:6} {_f(m['tok_per_s']):>9} "
+                         f"{_f(m.get('ratio'), 3) if mode != 'engine' else '':>6} {_f(m['ttft_ms'], 2):>8} "
+                         f"{_f(m['p90_ttft_ms'], 2):>7} {_f(m['tpot_ms'], 3):>8} {_f(m['e2e_ms']):>8} "
+                         f"{_f(m.get('p90_over_median_e2e'), 2) if mode != 'engine' else '':>7}")
+    return "\n".join(lines)
+
+
+# -- the server -----------------------------------------------------------------------------------------
+
+
+def serve_emulated(argv: list[str]) -> int:
+    """`python -m ddtree.bench.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
+    server (routes, scheduler, text) in front of an EmulatedEngine."""
+    import uvicorn
+
+    from ddtree.server import create_app
+    from ddtree.serving.args import resolve_args
+    from ddtree.text import load_tokenizer
+
+    p = argparse.ArgumentParser(prog="serve-emulated")
+    p.add_argument("--round-ms", type=float, required=True)
+    p.add_argument("--prefill-ms", type=float, required=True)
+    p.add_argument("--tokens-per-round", type=int, required=True)
+    ns, rest = p.parse_known_args(argv)
+    args = resolve_args(rest)
+    codec = load_tokenizer(args.model_path)
+    vocab = codec.vocab_size if codec is not None else 32000
+    engine = EmulatedEngine(vocab, 8192, ns.round_ms / 1000, ns.prefill_ms / 1000, ns.tokens_per_round)
+    app = create_app(engine, args.spec, args, codec)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on")
+    return 0
+
+
+class _EmulatedBackend:
+    """The suite's local backend, launching this module's serve-emulated instead of ddtree.server."""
+
+    def __new__(cls, round_ms: float, prefill_ms: float, tokens_per_round: int, **kwargs: Any) -> Any:
+        from ddtree.service.local import LocalBackend
+
+        class Backend(LocalBackend):
+            module = "ddtree.bench.http_vs_engine"
+
+            def command(self, spec: SpecConfig) -> list[str]:
+                cmd = super().command(spec)
+                return cmd[:3] + ["serve-emulated", "--round-ms", str(round_ms), "--prefill-ms", str(prefill_ms),
+                                  "--tokens-per-round", str(tokens_per_round)] + cmd[3:]
+
+        return Backend(**kwargs)
+
+
+def _backend(args: argparse.Namespace, log_dir: Path) -> Any:
+    common = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
+                  max_running_requests=args.max_running_requests, log_dir=log_dir,
+                  extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
+    if args.engine == "emulated":
+        return _EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, **common)
+    from ddtree.service.local import LocalBackend
+
+    return LocalBackend(**common)
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.http_vs_engine", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("model", "emulated"), default="model",
+                   help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
+    p.add_argument("--target", type=Path, default=FIXTURES / "target")
+    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
+    p.add_argument("--configs", nargs="+", default=["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"], metavar="ID")
+    p.add_argument("--contexts", nargs="+", type=int, default=[1024], help="prompt tokens")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], help="requests in flight")
+    p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]),
+                   help="HTTP clients: stream (SSE, SGLang's cumulative chunks), plain (one JSON answer)")
+    p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(concurrency, 8))")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
+    p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill's GIL-free wait")
+    p.add_argument("--tokens-per-round", type=int, default=1, help="emulated: tokens each row commits per round")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, values in (("--contexts", args.contexts), ("--concurrency", args.concurrency),
+                         ("--repeats", [args.repeats]), ("--max-new-tokens", [args.max_new_tokens]),
+                         ("--max-running-requests", [args.max_running_requests]),
+                         ("--tokens-per-round", [args.tokens_per_round])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ConfigError(f"{flag}: {bad} out of range (allowed >= 1)")
+    if args.requests < 0 or args.warmup < 0:
+        raise ConfigError("--requests/--warmup: out of range (allowed >= 0)")
+    if max(args.concurrency) > args.max_running_requests:
+        raise ConfigError(f"--concurrency: {max(args.concurrency)} exceeds --max-running-requests "
+                          f"{args.max_running_requests}")
+    if args.round_ms < 0 or args.prefill_ms < 0:
+        raise ConfigError("--round-ms/--prefill-ms: out of range (allowed >= 0)")
+    if not (args.target / "tokenizer.json").is_file():
+        raise ConfigError(f"--target: {args.target} has no tokenizer.json (the prompts are tokenized with it)")
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    if args.engine == "emulated":
+        from ddtree.text import load_tokenizer
+
+        codec = load_tokenizer(args.target)
+        assert codec is not None  # _check
+        return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
+                              args.tokens_per_round)
+    import torch
+
+    from ddtree.bench.engine_bench import DTYPES
+    from ddtree.engine import Engine
+
+    return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
+
+
+def run(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
+    from ddtree.bench.engine_bench import parse_configs
+    from ddtree.bench.prompts import code_prompts
+    from ddtree.service.readiness import wait_ready
+    from ddtree.text import load_tokenizer
+
+    specs = parse_configs(args.configs)
+    engine = _load_engine(args)
+    codec = load_tokenizer(args.target)
+    n_max = max(args.requests or max(c, 8) for c in args.concurrency)
+    prompts = {ctx: code_prompts(codec, ctx, n_max + args.warmup) for ctx in args.contexts}
+    log_dir = Path(args.out).parent if args.out else Path.cwd()
+    rows = []
+    for spec in specs:
+        backend = _backend(args, log_dir)
+        backend.start(spec)
+        try:
+            wait_ready(backend, timeout_s=args.startup_timeout)
+            context_length = backend.reported_settings().get("context_length") or engine.max_context
+            batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+            for ctx in args.contexts:
+                for conc in args.concurrency:
+                    rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, log))
+                    log(format_rows(rows[-1:]).split("\n", 1)[1], flush=True)
+            del batch
+        finally:
+            backend.stop()
+    return rows
+
+
+def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: SpecConfig, prompts: list[list[int]],
+          ctx: int, conc: int, log: Any) -> dict[str, Any]:
+    n = args.requests or max(conc, 8)
+    warm, timed = prompts[:args.warmup], prompts[args.warmup:args.warmup + n]
+    run_in_process(engine, batch, timed, conc, args.max_new_tokens)  # the engine at its best: captures made
+    if warm:
+        for stream in (True, False):
+            asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream))
+    repeats: dict[str, list[dict[str, Any]]] = {m: [] for m in ("engine", *args.modes)}
+    reference: list[list[int]] | None = None
+    mismatched = {m: 0 for m in repeats}
+    for _ in range(args.repeats):
+        for mode in repeats:  # interleaved: a drifting machine moves every mode alike
+            _sync(engine)
+            t0 = time.perf_counter()
+            if mode == "engine":
+                records = run_in_process(engine, batch, timed, conc, args.max_new_tokens)
+                _sync(engine)
+            else:
+                records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream"))
+            wall = time.perf_counter() - t0
+            outputs = [r.output_ids for r in records]
+            reference = outputs if reference is None else reference
+            mismatched[mode] = max(mismatched[mode], sum(1 for a, b in zip(outputs, reference) if a != b))
+            repeats[mode].append(summarize(records, wall))
+    return cell_row(spec.id, ctx, conc, repeats, mismatched)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-emulated"]:
+        return serve_emulated(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        _check(args)
+    except ConfigError as err:
+        print(f"python -m ddtree.bench.http_vs_engine: error: {err}", file=sys.stderr)
+        return 2
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    rows = run(args)
+    print(format_rows(rows))
+    if args.out:
+        meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
+                "engine": args.engine, "device": args.device}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    bad = [f"{r['config']} ctx{r['context']} c{r['concurrency']}" for r in rows if any(r["mismatched"].values())]
+    if bad:
+        print(f"outputs differ between the engine and HTTP at T=0: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

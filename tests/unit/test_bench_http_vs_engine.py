@@ -1,0 +1,205 @@
+"""The HTTP-vs-engine bench and the serving pieces it measures: one hand-over per round, coalesced and
+paced streams, the graph warm-up, the closed in-process loop, and a whole emulated run through a server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from ddtree.bench import http_vs_engine as hve
+from ddtree.config import SpecConfig
+from ddtree.engine import Request, StepOutput
+from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, Scheduler
+from ddtree.serving.state import RequestStream
+
+AR = SpecConfig.from_id("ar")
+
+
+def emulated(max_batch: int = 8, tokens: int = 1) -> hve.EmulatedBatch:
+    return hve.EmulatedBatch(AR, max_batch, 512, round_s=0.0, prefill_s=0.0, tokens_per_round=tokens)
+
+
+def test_in_process_loop_keeps_concurrency_and_times_every_request() -> None:
+    batch = emulated(max_batch=8, tokens=3)
+    steps: list[int] = []
+    real_step = batch.step
+    batch.step = lambda: steps.append(batch.active) or real_step()  # type: ignore[method-assign]
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    records = hve.run_in_process(None, batch, prompts, concurrency=2, max_new_tokens=7)
+    assert max(steps) == 2 and batch.active == 0
+    for prompt, rec in zip(prompts, records):
+        assert rec.ok and rec.completion_tokens == 7 and rec.finish_reason == "length"
+        assert rec.output_ids == [prompt[(3 + i) % 3] for i in range(7)]  # the emulated batch reads its prompt on
+        assert rec.ttft_s is not None and rec.e2e_s is not None and rec.e2e_s >= rec.ttft_s
+        assert rec.tpot_s is not None and rec.spec_verify_ct == 2  # 1 token at prefill, then 3 + 3
+
+
+def test_scheduler_hands_each_round_over_in_one_call() -> None:
+    batch = emulated(max_batch=4)
+    calls: list[list[tuple[object, object]]] = []
+    got: dict[str, list[int]] = {}
+    done = threading.Event()
+
+    def deliver(items: list) -> None:
+        calls.append(items)
+        for sink, event in items:
+            sink(event)
+
+    def sink_for(rid: str):
+        def sink(ev: StepOutput | Failure) -> None:
+            assert isinstance(ev, StepOutput)
+            got.setdefault(rid, []).extend(ev.new_token_ids)
+            if ev.finished and len(got) == 4 and sum(len(v) for v in got.values()) == 4 * 6:
+                done.set()
+        return sink
+
+    sched = Scheduler(batch, max_running=4, deliver=deliver, switch_interval_s=None)
+    for i in range(4):  # queued before the thread starts: one admission, then rounds of 4
+        sched.submit(Request(f"r{i}", [i + 1, i + 2], 6, ignore_eos=True), sink_for(f"r{i}"))
+    sched.start()
+    try:
+        assert done.wait(10)
+    finally:
+        sched.stop()
+    assert sched.rounds == 5  # the prefill's token, then one a round
+    # one hand-over per loop iteration: the first carries the prefill's tokens and round 1's
+    assert [len(items) for items in calls] == [8, 4, 4, 4, 4]
+
+
+class _GraphedBatch(hve.EmulatedBatch):
+    """An emulated batch that says its rounds are graphs, recording what it was asked to run."""
+
+    graphs = object()
+
+    def __init__(self) -> None:
+        super().__init__(AR, 32, 8192, 0.0, 0.0, 1)
+        self.rows_per_step: list[int] = []
+        self.prompt_lengths: list[int] = []
+
+    def add_many(self, requests):  # type: ignore[no-untyped-def]
+        self.prompt_lengths += [len(r.prompt_ids) for r in requests]
+        return super().add_many(requests)
+
+    def step(self):  # type: ignore[no-untyped-def]
+        self.rows_per_step.append(self.active)
+        return super().step()
+
+
+def test_warm_up_meets_every_row_bucket_and_prefill_width_before_serving() -> None:
+    batch = _GraphedBatch()
+    sched = Scheduler(batch, max_running=20, warm_token=5, switch_interval_s=None)
+    sched._warm_up()
+    buckets = [b for b in ROW_BUCKETS if b < 20] + [20]
+    assert sorted(set(batch.rows_per_step)) == buckets
+    assert [n for n in batch.prompt_lengths if n > 1] == list(WARM_PREFILL_WIDTHS)
+    assert batch.active == 0 and sched.warm_seconds is not None
+    plain = emulated()
+    none = Scheduler(plain, max_running=4, warm_token=5, switch_interval_s=None)
+    none._warm_up()  # no graphs: nothing to warm
+    assert none.warm_seconds is None
+
+
+def _out(rid: str, tokens: list[int], finished: bool = False) -> StepOutput:
+    return StepOutput(rid, tokens, finished, "length" if finished else None, 1, [len(tokens)])
+
+
+def test_stream_coalesces_rounds_and_plain_wakes_once() -> None:
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(Request("s", [1], 9), loop)
+        updates = stream.updates()
+        for i in range(3):  # three rounds land before the consumer looks
+            stream.push(_out("s", [i]))
+        first = await anext(updates)
+        assert first.output_ids == [0, 1, 2] and first.accept_histogram == [0, 3]
+        stream.push(_out("s", [3, 4], finished=True))
+        last = await anext(updates)
+        assert last.finished and last.output_ids == [0, 1, 2, 3, 4] and last.accept_histogram == [0, 3, 1]
+        with pytest.raises(StopAsyncIteration):
+            await anext(updates)
+
+        plain = RequestStream(Request("p", [1], 9), loop, every_round=False)
+        woke: list[int] = []
+
+        async def consume() -> None:
+            async for p in plain.updates():
+                woke.append(len(p.output_ids))
+
+        task = asyncio.create_task(consume())
+        for i in range(4):
+            plain.push(_out("p", [i]))
+            await asyncio.sleep(0)
+        plain.push(_out("p", [9], finished=True))
+        await task
+        assert woke == [5]
+
+        failing = RequestStream(Request("f", [1], 9), loop, every_round=False)
+        failing.push(Failure("f", "no room", 503, "batch"))
+        with pytest.raises(Exception, match="no room"):
+            await failing.result()
+
+    asyncio.run(body())
+
+
+def test_paced_stream_holds_a_running_update_but_never_the_last() -> None:
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        done: list[bool] = []
+        stream = RequestStream(Request("s", [1], 9), loop, pace=lambda: 0.2, on_done=lambda: done.append(True))
+        updates = stream.updates()
+        stream.push(_out("s", [1]))
+        assert (await anext(updates)).output_ids == [1]  # the first is never held back
+        stream.push(_out("s", [2]))
+        t0 = loop.time()
+        second = await anext(updates)
+        assert loop.time() - t0 >= 0.15 and second.output_ids == [1, 2]
+        stream.push(_out("s", [3]))
+        nxt = asyncio.ensure_future(anext(updates))
+        await asyncio.sleep(0.01)
+        assert not nxt.done()  # held by the pace
+        stream.push(_out("s", [4], finished=True))
+        t1 = loop.time()
+        last = await nxt
+        assert loop.time() - t1 < 0.1 and last.finished and last.output_ids == [1, 2, 3, 4]
+        assert done == [True]
+
+    asyncio.run(body())
+
+
+def test_cell_row_ratio_and_table() -> None:
+    rep = {"tok_per_s": 100.0, "duration_s": 1.0, "failed": 0, "ttft_ms": 2.0, "p90_ttft_ms": 3.0,
+           "tpot_ms": 1.0, "p90_tpot_ms": 1.5, "e2e_ms": 10.0, "p90_e2e_ms": 12.0}
+    repeats = {"engine": [rep, dict(rep, tok_per_s=120.0), dict(rep, tok_per_s=110.0)],
+               "stream": [dict(rep, tok_per_s=88.0)] * 3}
+    row = hve.cell_row("ar", 1024, 32, repeats, {"engine": 0, "stream": 0})
+    assert row["engine"]["tok_per_s"] == 110.0 and row["stream"]["ratio"] == pytest.approx(0.8)
+    assert row["stream"]["p90_over_median_e2e"] == pytest.approx(1.2)
+    table = hve.format_rows([row])
+    assert "0.800" in table and table.count("\n") == 2
+
+
+def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert hve.main(["--engine", "emulated", "--concurrency", "0"]) == 2
+    assert "--concurrency" in capsys.readouterr().err
+    assert hve.main(["--engine", "emulated", "--concurrency", "64", "--max-running-requests", "32"]) == 2
+
+
+def test_emulated_run_through_the_server(tmp_path: Path) -> None:
+    """Engine, streaming and plain clients on the same prompts, through a real server process; T = 0
+    outputs identical both ways (the exit status says so)."""
+    out = tmp_path / "hve.json"
+    code = hve.main(["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "3",
+                     "--requests", "3", "--repeats", "1", "--warmup", "1", "--max-new-tokens", "12",
+                     "--max-running-requests", "4", "--round-ms", "1", "--out", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["concurrency"]) for r in rows] == [(60, 1), (60, 3)]
+    for row in rows:
+        assert set(row["mismatched"].values()) == {0}
+        for mode in ("engine", "stream", "plain"):
+            assert row[mode]["failed"] == 0 and row[mode]["tok_per_s"] > 0
+        assert row["stream"]["ttft_ms"] is not None and row["stream"]["ratio"] > 0
