@@ -6,6 +6,12 @@ fixtures/prompts/*.py when that folder has any, else the top level of the Python
 joined; prompt i is the i-th non-overlapping window of `context_len` tokens, so prompts start at
 different offsets and are the same for the same (corpus, tokenizer, context_len, count).
 Real code rather than random ids, because acceptance length depends on how predictable the text is.
+
+When the served model's tokenizer is not a tokenizer.json this project can read (Kimi's is
+tiktoken-based), `service_encoder(base_url)` tokenizes through the service's own `/tokenize`
+(SGLang's TokenizeRequest/TokenizeResponse: `{"prompt": text, "add_special_tokens": false}` ->
+`{"tokens": [...], "count": N}`), so the prompts are still exactly `context_len` tokens of the
+model that serves them, sent as input_ids.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, ServiceError
 
 FIXTURE_PROMPTS = Path(__file__).resolve().parents[2] / "fixtures" / "prompts"
 FILE_SEPARATOR = "\n\n"
@@ -53,6 +59,39 @@ def _encoder(tokenizer_or_encode: Any) -> Callable[[str], list[int]]:
         return [int(t) for t in out]
 
     return ids
+
+
+def service_encoder(base_url: str, timeout_s: float = 120.0) -> Callable[[str], list[int]]:
+    """str -> token ids through the service's POST /tokenize; each distinct text is asked once."""
+    import httpx
+
+    from ddtree.service.base import http_client
+
+    url = base_url.rstrip("/") + "/tokenize"
+    cache: dict[str, list[int]] = {}
+
+    def encode(text: str) -> list[int]:
+        if text in cache:
+            return cache[text]
+        try:
+            with http_client(timeout_s) as client:
+                response = client.post(url, json={"prompt": text, "add_special_tokens": False})
+        except httpx.HTTPError as err:
+            raise ServiceError(f"POST {url}: {type(err).__name__}: {err}") from err
+        if response.status_code != 200:
+            raise ServiceError(f"POST {url} answered {response.status_code}: {response.text[:300]} (the service "
+                               "cannot count tokens; give --model-path a folder with a tokenizer.json and "
+                               "--tokenize local)")
+        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else None
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens) or \
+                body.get("count", len(tokens)) != len(tokens):
+            raise ServiceError(f"POST {url}: expected {{'tokens': [int, ...], 'count': N}} (SGLang's "
+                               f"TokenizeResponse), got {response.text[:300]}")
+        cache[text] = tokens
+        return tokens
+
+    return encode
 
 
 def _corpus_tokens(files: list[Path], encode: Callable[[str], list[int]]) -> Iterator[list[int]]:

@@ -1,7 +1,7 @@
 """A model-free stand-in for the server, and FakeBackend that launches it like LocalBackend.
 
 `python -m ddtree.service.fake` takes ddtree.server's flags, prints the same log lines and speaks
-/health_generate, /server_info and /generate, so the whole lifecycle (start, readiness, verify,
+/health_generate, /server_info, /generate, /tokenize and /v1/chat/completions, so the whole lifecycle (start, readiness, verify,
 restore) runs in a second without models. Standard library only, so it starts fast.
 Failure modes come from the environment (FakeBackend.env):
 
@@ -13,6 +13,7 @@ Failure modes come from the environment (FakeBackend.env):
     DDTREE_FAKE_VERIFY_CT     spec_verify_ct to report instead of the computed one
     DDTREE_FAKE_IGNORE_SIGTERM "1": survive SIGTERM (tests SIGKILL escalation)
     DDTREE_FAKE_DIALECT       the server it pretends to be (overrides --fake-dialect)
+    DDTREE_FAKE_CHAT_WRONG    "1": chat replies hold code that fails the tests
     DDTREE_FAKE_START_ERROR   "WORDS::MESSAGE": when WORDS occur in the command line, print MESSAGE
                               and exit 1 at once (a start that fails, e.g. a missing module)
 
@@ -33,10 +34,12 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -158,6 +161,53 @@ def _server_info(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
+# -- /tokenize and /v1/chat/completions ----------------------------------------------------------------
+# The fake's tokenizer is deliberately none that ddtree.text can load (no tokenizer.json exists for
+# it): words, runs of spaces and single symbols, each hashed into a 50k vocabulary, the way a
+# tiktoken-style model looks from outside. Only the service can count its tokens.
+_PIECES = re.compile(r"\w+|\s+|[^\w\s]")
+FAKE_VOCAB = 50_000
+
+
+def fake_tokens(text: str) -> list[int]:
+    return [100 + zlib.crc32(piece.encode()) % FAKE_VOCAB for piece in _PIECES.findall(text)]
+
+
+def tokenize_response(body: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's TokenizeResponse for a TokenizeRequest ({"prompt": str | [str], ...})."""
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        tokens = [fake_tokens(str(p)) for p in prompt]
+        return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": 1 << 20}
+    tokens = fake_tokens(str(prompt))
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20}
+
+
+def chat_response(body: dict[str, Any], speculative: bool) -> dict[str, Any]:
+    """An OpenAI chat completion whose reply solves the HumanEval problem found in the last user
+    message (its canonical solution, in a fenced python block amid prose, the way chat models
+    answer); DDTREE_FAKE_CHAT_WRONG=1 answers `return None` instead, so a gate can fail."""
+    from ddtree.quality.humaneval import load_problems
+
+    question = str(body["messages"][-1]["content"])
+    problem = next((p for p in load_problems().values() if p.prompt.strip() in question), None)
+    if problem is None:
+        code = "print('no problem found')"
+    elif os.environ.get("DDTREE_FAKE_CHAT_WRONG") == "1":
+        code = problem.prompt + "    return None\n"
+    else:
+        code = problem.prompt + problem.canonical_solution
+    content = ("Here is a solution that passes the tests:\n\n```python\n" + code.rstrip() + "\n```\n\n"
+               "It handles the edge cases.\n\n```python\nprint('not this block')\n```\n")
+    completion = len(fake_tokens(content))
+    usage = {"prompt_tokens": len(fake_tokens(question)), "completion_tokens": completion,
+             "total_tokens": len(fake_tokens(question)) + completion}
+    extra = {"spec_tokens_details": {"spec_verify_ct": math.ceil(completion / 3)}} if speculative else {}
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model", "fake-model"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": "stop"}], "usage": usage, "sglext": extra}
+
+
 def main(argv: list[str] | None = None) -> None:
     env = os.environ.get
     if fail := env("DDTREE_FAKE_START_ERROR"):
@@ -207,10 +257,14 @@ def main(argv: list[str] | None = None) -> None:
             self._send(404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/generate":
+            if self.path not in ("/generate", "/tokenize", "/v1/tokenize", "/v1/chat/completions"):
                 return self._send(404, {"error": f"no route {self.path}"})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if self.path.endswith("/tokenize"):
+                    return self._send(200, tokenize_response(body))
+                if self.path == "/v1/chat/completions":
+                    return self._send(200, chat_response(body, speculative))
                 n = int(body.get("sampling_params", {}).get("max_new_tokens", 128))
                 prompt = body.get("input_ids") or list(str(body["text"]).encode())
             except (ValueError, KeyError, TypeError, AttributeError) as err:

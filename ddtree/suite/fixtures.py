@@ -171,26 +171,52 @@ def resume_skip(request: pytest.FixtureRequest, suite: SuiteOptions) -> None:
 
 
 @pytest.fixture(scope="session")
-def prompt_maker(suite: SuiteOptions) -> Callable[[int, int], list[list[int]]]:
-    """make(context, count) -> `count` prompts of exactly `context` token ids.
+def prompt_maker(request: pytest.FixtureRequest, suite: SuiteOptions) -> Callable[[int, int], list[list[int]]]:
+    """make(context, count) -> `count` prompts of exactly `context` tokens of the served model.
 
-    Real services get code prompts from the target's tokenizer; the model-free fake service gets
-    deterministic synthetic ids (it only counts them).
+    Tokens are counted by the target's tokenizer.json when there is one this project can read
+    (`--tokenize local`, or auto for a model we launch or a --model-path given), else by the
+    service's /tokenize (`--tokenize service`, or auto: a remote service, a tiktoken-style model);
+    the model-free fake service gets deterministic synthetic ids unless given --model-path or --tokenize.
     """
-    if suite.service == "fake":
+    from ddtree.bench.prompts import code_prompts, service_encoder
+
+    mode = suite.tokenize
+    if suite.service == "fake" and mode == "auto" and not suite.model_path_given:
         def synthetic(context: int, count: int) -> list[list[int]]:
             return [[(i * 7919 + j) % 1000 + 1 for j in range(context)] for i in range(count)]
 
         return synthetic
-    from ddtree.bench.prompts import code_prompts
+    log = _log_to_terminal(request.config)
+    encode: Callable[[str], Any] | None = None
+    if mode == "local" or (mode == "auto" and (suite.service in ("local", "sglang") or suite.model_path_given)):
+        encode, why = _local_codec(suite)
+        if encode is None and mode == "local":
+            pytest.fail(f"--tokenize local: {why}; use --tokenize service to count tokens with the "
+                        f"service's /tokenize", pytrace=False)
+        if encode is None:
+            log(f"[prompts] {why}: counting tokens with the service's /tokenize")
+    if encode is None:
+        manager: ServiceManager = request.getfixturevalue("service")
+        encode = service_encoder(manager.backend.base_url)
+
+    def make(context: int, count: int) -> list[list[int]]:
+        return code_prompts(encode, context, count)
+
+    return make
+
+
+def _local_codec(suite: SuiteOptions) -> tuple[Any, str]:
+    """(the target's TextCodec, "") or (None, why it cannot be used)."""
+    from ddtree.errors import ModelLoadError
     from ddtree.text import load_tokenizer
 
-    require_models(suite)
-    codec = load_tokenizer(suite.model_path)
+    if suite.service in ("local", "sglang"):
+        require_models(suite)
+    try:
+        codec = load_tokenizer(suite.model_path)
+    except ModelLoadError as err:
+        return None, f"{err}"
     if codec is None:
-        pytest.fail(f"{suite.model_path} has no tokenizer.json; {BUILD_HINT}", pytrace=False)
-
-    def real(context: int, count: int) -> list[list[int]]:
-        return code_prompts(codec, context, count)
-
-    return real
+        return None, f"{suite.model_path} has no tokenizer.json"
+    return codec, ""

@@ -137,6 +137,7 @@ class SuiteOptions:
     resume: bool
     service_hosts: list[str] = field(default_factory=list)
     max_context: int | None = None
+    model_path_given: bool = False  # --model-path was passed (auto tokenization may read it)
     dialect: Dialect = field(default_factory=default_dialect)
     tokenize: str = "auto"
     ssh_config: str | None = None
@@ -286,6 +287,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         resume=bool(config.getoption("ddtree_resume")),
         service_hosts=hosts,
         max_context=max_context,
+        model_path_given=model_raw is not None,
         dialect=dialect,
         tokenize=tokenize,
         ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,
