@@ -36,7 +36,7 @@ _BLOCK_N = 64  # prefix keys per tile
 # A split may be as short as one tile: a decode step's few query rows make each tile a chain of dependent
 # loads, so latency falls with every tile moved to another program (H200, fixture pair, context 1024,
 # batch 1: 21-22 us a layer with 256-key splits; AR 2192 -> 2466 tok/s in two runs minutes apart, see
-# docs/perf.md, third pass). The merge of more partials is cheap.
+# the third H200 pass in `git log -p docs/perf.md`). The merge of more partials is cheap.
 MIN_SPLIT_KEYS = _BLOCK_N
 _TREE_TILE = 64  # tree keys per tile: one bitmask word
 
