@@ -12,19 +12,31 @@ A cell is the same (config id, context, concurrency) on both sides. For each jud
     same       otherwise (inside the tolerance, or inside the noise)
 
 A side's spread is the range of its repeats (median ± MAD when the per-repeat values are gone).
-For tok/s it is widened to at least ± NOISE_SIGMAS sigmas of the baseline run's typical noise:
-sigma = 1.4826 x the median over the baseline's cells of MAD / median (the normal-consistent
-sigma of a MAD). Two repeats that happened to agree on a shared machine do not make a cell look
-precise when the run as a whole was not; and since the baseline is a finished run, a cell can be
-judged the moment it is measured, with the same answer the end-of-run summary gives. Acceptance
-length does not depend on the machine's load (same prompts, same tokens at temperature 0), so
-its spread is its repeats' own range. A coding gate that passed in the
+For tok/s it is widened to at least ± NOISE_SIGMAS x the pair's noise, the larger of two
+estimates of one side's relative sigma:
+
+    within   the baseline's typical repeat-to-repeat noise: 1.4826 x the median over its cells of
+             MAD / median (the normal-consistent sigma of a MAD)
+    between  the scatter of the cells' tok/s ratios: 1.4826 x the MAD over the compared cells of
+             log(ratio), divided by sqrt(2) (the ratio carries both sides' noise); needs
+             MIN_SCATTER_CELLS cells. A machine shared with other work slows some cells of a run
+             and not others; that shows here and not in a cell's own repeats. A change that slows
+             every cell alike moves the ratios' median, not their scatter, and is caught by:
+
+Shifts: over all compared cells, and over each config's cells (MIN_SHIFT_CELLS or more), the median tok/s ratio with a
+band of ± 2 standard errors (1.2533 x sqrt(2) x the pair's sigma / sqrt(cells)): regressed when
+the median < 1 - tolerance and the whole band is below 1 (improved: the mirror image). Forty
+noisy cells that each stay inside their spreads still fail together when they all moved down.
+
+Acceptance length does not depend on the machine's load (same prompts, same tokens at
+temperature 0), so its spread is its repeats' own range. A coding gate that passed in the
 baseline and fails now is a regression whatever the speed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,11 +52,12 @@ DEFAULT_TOLERANCE = 0.10
 LATEST = "latest"
 
 MAD_TO_SIGMA = 1.4826  # a normal distribution's sigma / MAD
-# Each side of a tok/s comparison spans at least +-2 sigmas of the baseline's typical noise, so two
-# runs must differ by about 4 sigmas of one run before the spreads part. On the 2 shared CPU cores
-# of the smoke grid (2 repeats, MAD ~5% of the median) that is +-15% a side: back-to-back runs stay
-# green, a 50% faster baseline does not.
+# Each side of a tok/s comparison spans at least +-2 sigmas of the pair's noise, so a cell's two
+# medians must differ by about 2.8 sigmas of their difference before the spreads part.
 NOISE_SIGMAS = 2.0
+MIN_SCATTER_CELLS = 4  # fewer compared cells say too little about the scatter between runs
+SHIFT_SIGMAS = 2.0  # a shift's band: median ratio +- 2 standard errors
+MIN_SHIFT_CELLS = 3  # a group's median moves only when most of its cells do: one cell is the cell's own verdict
 
 # (metric key, label, digits, widened by the machine's noise): judged, higher is better.
 JUDGED = (("output_throughput", "output tok/s", 1, True), ("accept_length", "accept length", 2, False))
@@ -181,8 +194,63 @@ def spread_of(cell: CellResult, metric: str, noise: float) -> Spread | None:
     half = NOISE_SIGMAS * noise * median
     if median - half < lo or median + half > hi:
         lo, hi = min(lo, median - half), max(hi, median + half)
-        how += f", widened to the baseline's noise ±{NOISE_SIGMAS * noise:.0%}"
+        how += f", widened to the pair's noise ±{NOISE_SIGMAS * noise:.0%}"
     return Spread(median, lo, hi, how)
+
+
+def _mad(values: Sequence[float]) -> float:
+    center = statistics.median(values)
+    return statistics.median(abs(v - center) for v in values)
+
+
+def scatter_noise(pairs: Sequence[tuple[CellResult, CellResult]], metric: str) -> float:
+    """One side's relative sigma as the compared cells' ratios scatter (0 below MIN_SCATTER_CELLS)."""
+    logs = []
+    for now, before in pairs:
+        a, b = now.metrics.get(metric), before.metrics.get(metric)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 and b > 0:
+            logs.append(math.log(a / b))
+    if len(logs) < MIN_SCATTER_CELLS:
+        return 0.0
+    return MAD_TO_SIGMA * _mad(logs) / math.sqrt(2)
+
+
+@dataclass(frozen=True)
+class Shift:
+    """The median tok/s ratio over a group of cells (all, or one config's) and its band."""
+
+    name: str  # "all cells" or a config id
+    cells: int
+    ratio: float  # median of the cells' ratios
+    lo: float  # the band: ratio x exp(-+ SHIFT_SIGMAS standard errors)
+    hi: float
+    tolerance: float
+    below: tuple[tuple[Key, float], ...] = ()  # the group's cells below 1 - tolerance, with their ratios
+
+    @property
+    def verdict(self) -> str:
+        if self.ratio < 1 - self.tolerance and self.hi < 1:
+            return "regressed"
+        if self.ratio > 1 + self.tolerance and self.lo > 1:
+            return "improved"
+        return "same"
+
+    def text(self) -> str:
+        below = ", ".join(f"{key_text(k)} {r:.2f}" for k, r in self.below)
+        return (f"{self.name}: {self.verdict}: median tok/s ratio {self.ratio:.2f} over {self.cells} cells "
+                f"(band {self.lo:.2f}-{self.hi:.2f}), tolerance {self.tolerance:.0%}"
+                + (f"; cells below {1 - self.tolerance:.2f}: {below}" if below and self.verdict == "regressed" else ""))
+
+
+def shift_of(name: str, ratios: dict[Key, float], sigma: float, tolerance: float) -> Shift:
+    """The group's shift; `sigma` is one side's relative sigma (the pair's noise)."""
+    center = statistics.median(math.log(r) for r in ratios.values())
+    # the standard error of a median is ~1.2533 x that of a mean; a ratio carries both sides' noise
+    half = SHIFT_SIGMAS * 1.2533 * math.sqrt(2) * sigma / math.sqrt(len(ratios))
+    below = tuple((k, r) for k, r in sorted(ratios.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
+                  if r < 1 - tolerance)
+    return Shift(name, len(ratios), math.exp(center), math.exp(center - half), math.exp(center + half),
+                 tolerance, below)
 
 
 @dataclass(frozen=True)
@@ -294,6 +362,12 @@ class Comparison:
     only_current: list[Key] = field(default_factory=list)  # new cells, no baseline
     only_baseline: list[Key] = field(default_factory=list)  # measured before, missing now
     gates: list[GateDelta] = field(default_factory=list)
+    shifts: list[Shift] = field(default_factory=list)  # all cells first, then per config
+    noise: float = 0.0  # one side's relative tok/s sigma used for the spreads
+
+    @property
+    def shift_regressions(self) -> list[Shift]:
+        return [x for x in self.shifts if x.verdict == "regressed"]
 
     @property
     def regressed(self) -> list[CellDelta]:
@@ -309,7 +383,7 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return not self.regressed and not self.gate_regressions
+        return not self.regressed and not self.gate_regressions and not self.shift_regressions
 
     def differences(self) -> list[str]:
         """Sentences on what differs between the runs besides the numbers (another GPU, commit)."""
@@ -321,11 +395,13 @@ class Comparison:
         return notes
 
     def failures(self) -> list[str]:
-        return ([d.text("regressed") for d in self.regressed] + [g.text() for g in self.gate_regressions])
+        return ([x.text() for x in self.shift_regressions] + [d.text("regressed") for d in self.regressed]
+                + [g.text() for g in self.gate_regressions])
 
     def moved(self) -> list[str]:
         """The short "what moved" list: regressions, improvements, flipped gates, missing cells."""
         lines = [f"REGRESSED {line}" for line in self.failures()]
+        lines += [f"improved {x.text()}" for x in self.shifts if x.verdict == "improved"]
         lines += [f"improved {d.text('improved')}" for d in self.improved]
         lines += [f"improved {g.text()}" for g in self.gates if g.verdict == "improved"]
         if self.only_baseline:
@@ -359,8 +435,10 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
     out = Comparison(tolerance, baseline_path, run_identity(baseline), run_identity(current))
     base = {cell_key(c): c for c in baseline}
     cur = {cell_key(c): c for c in current}
-    # The baseline is a finished run, so its noise is known before the first cell of this one.
-    noise = {m: run_noise(baseline, m) if widen else 0.0 for m, _, _, widen in JUDGED}
+    pairs = [(cur[k], base[k]) for k in cur if k in base]
+    noise = {m: max(run_noise(baseline, m), scatter_noise(pairs, m)) if widen else 0.0
+             for m, _, _, widen in JUDGED}
+    out.noise = noise["output_throughput"]
     for key in sorted(cur, key=lambda k: (k[1], k[2], k[0])):
         if key not in base:
             out.only_current.append(key)
@@ -371,6 +449,17 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
             if now is not None and before is not None:
                 deltas.append(MetricDelta(metric, label, digits, now, before, tolerance))
         out.cells[key] = CellDelta(key, tuple(deltas))
+    ratios: dict[str, dict[Key, float]] = {}
+    for key, delta in out.cells.items():
+        tps = delta.of("output_throughput")
+        if tps is not None and tps.current.median > 0 and tps.baseline.median > 0:
+            ratios.setdefault(key[0], {})[key] = tps.ratio
+    every = {k: r for rs in ratios.values() for k, r in rs.items()}
+    if len(every) >= MIN_SHIFT_CELLS:
+        out.shifts.append(shift_of("all cells", every, out.noise, tolerance))
+    if len(ratios) > 1:
+        out.shifts += [shift_of(config_id, rs, out.noise, tolerance) for config_id, rs in sorted(ratios.items())
+                       if len(rs) >= MIN_SHIFT_CELLS]
     out.only_baseline = sorted((k for k in base if k not in cur), key=lambda k: (k[1], k[2], k[0]))
     cur_g, base_g = current_gates or {}, baseline_gates or {}
     for config_id in sorted(set(cur_g) | set(base_g)):
@@ -397,9 +486,11 @@ def render_header(comparison: Comparison, record: dict[str, Any] | None = None) 
     b = c.baseline
     lines = [f"Baseline `{c.baseline_path}`: commit {b['commit']}, GPU {b['gpu']}, backend {b['backend']}"
              + (f", started {record['started_at']}" if record and record.get("started_at") else "")
-             + f"; tolerance {c.tolerance:.0%}; tok/s spreads at least ±{NOISE_SIGMAS:g} sigma of the baseline's noise.", ""]
+             + f"; tolerance {c.tolerance:.0%}; tok/s spreads at least ±{NOISE_SIGMAS:g} sigma of the pair's "
+             f"noise (sigma {c.noise:.1%}).", ""]
     lines += [f"- Note: {note}" for note in c.differences()]
-    verdict = "no regression" if c.ok else f"{len(c.regressed)} cells and {len(c.gate_regressions)} gates regressed"
+    verdict = "no regression" if c.ok else (f"{len(c.shift_regressions)} shifts, {len(c.regressed)} cells and "
+                                            f"{len(c.gate_regressions)} gates regressed")
     lines += [f"- Verdict: **{verdict}** ({len(c.cells)} cells compared, {len(c.improved)} improved, "
               f"{len(c.only_baseline)} missing now, {len(c.only_current)} new)", "", "### What moved", ""]
     moved = c.moved()

@@ -4,13 +4,14 @@
     pytest -m perf --config-grid full --baseline results/night-41 --baseline-tolerance 0.05
 
 A plugin of its own (loaded by ddtree.suite.plugin): its options join the "ddtree" group. The
-baseline is resolved once per process at configure (a missing or empty one is a usage error). Right
-after a sweep cell's test body passes, its cell file is compared with the baseline's
-(ddtree.bench.baseline: ratio of medians, tolerance, non-overlapping spreads); a regressed cell
-fails with measured, baseline, ratio, tolerance and both spreads. A config whose coding gate passed
-in the baseline and fails now fails its gate item the same way. At the end of the run the
+baseline is resolved once per process at configure (a missing or empty one is a usage error). At
+the end of the run (the controller, under xdist) every cell is compared with the baseline's
+(ddtree.bench.baseline: per-cell verdicts, shifts over all cells and per config, coding gates).
+The verdicts wait for the whole run because the noise between two runs is read from the scatter of
+all their cells' ratios. Anything regressed fails the run (exit status 1) and the terminal section
+"ddtree baseline" names it with measured, baseline, ratio, tolerance and both spreads. The
 baseline's path, commit and GPU go to RESULTS/baseline.json, from which the sweep summary draws
-its "vs baseline" column and "what moved" list, and the terminal summary lists what moved.
+its "vs baseline" column and "what moved" list.
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from ddtree.bench.baseline import (
     Comparison,
     baseline_record,
     check_tolerance,
-    compare_cells,
     compare_runs,
     resolve_baseline,
     write_baseline_record,
 )
-from ddtree.bench.results import CELLS_DIR, CellResult, cell_filename, read_cells, read_quality
-from ddtree.suite.cells import CELL_ARG, CONFIG_ARG
+from ddtree.bench.results import CELLS_DIR, CellResult, read_cells, read_quality
 from ddtree.suite.state import suite_active, suite_options, suite_state
 
 HELP = {
@@ -56,6 +55,7 @@ class Baseline:
 
 
 BASELINE_KEY = pytest.StashKey[Baseline | None]()
+COMPARISON_KEY = pytest.StashKey[Comparison]()
 
 
 def _baseline(config: pytest.Config) -> Baseline | None:
@@ -115,57 +115,26 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"GPU {record['gpu']}; tolerance {b.tolerance:g}"]
 
 
-def _judge(item: pytest.Item, b: Baseline) -> list[str]:
-    """Failures of this item against the baseline: a regressed cell, or a gate that flipped."""
-    callspec = getattr(item, "callspec", None)
-    params = callspec.params if callspec is not None else {}
-    results = suite_options(item.config).results_dir
-    if CELL_ARG in params:
-        cell = params[CELL_ARG]
-        path = results / CELLS_DIR / cell_filename(cell.config_id, cell.context, cell.concurrency)
-        if not path.is_file():  # a test with a `cell` that writes no cell file has nothing to judge
-            return []
-        current = [c for c in read_cells(results) if c.filename == path.name]
-        comparison = compare_cells(current, b.cells, b.tolerance, baseline_path=str(b.path))
-        return comparison.failures()
-    if CONFIG_ARG in params:
-        config_id = params[CONFIG_ARG].id
-        now = read_quality(results).get(config_id)
-        if now is None or config_id not in b.gates:
-            return []
-        comparison = compare_cells([], [], b.tolerance, current_gates={config_id: now},
-                                   baseline_gates={config_id: b.gates[config_id]}, gate_threshold=b.gate_threshold)
-        return comparison.failures()
-    return []
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    result = yield  # a test body that failed on its own is reported as it is
-    b = _baseline(item.config)
-    if b is not None:
-        failures = _judge(item, b)
-        if failures:
-            pytest.fail("regression against baseline " + str(b.path) + ": " + " | ".join(failures), pytrace=False)
-    return result
-
-
 def _comparison(config: pytest.Config) -> Comparison | None:
-    b = _baseline(config)
-    results = suite_options(config).results_dir
-    if b is None or not suite_state(config).service_used or not (results / CELLS_DIR).is_dir():
-        return None
-    return compare_runs(results, b.path, b.tolerance, b.gate_threshold)
+    return config.stash.get(COMPARISON_KEY, None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ddtree.suite.plugin writes the summary, which reads baseline.json
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Record the baseline, judge the run against it, and fail the run when something regressed."""
     config = session.config
     b = _baseline(config)
     if b is None or hasattr(config, "workerinput") or not suite_state(config).service_used:
         return
+    results = suite_options(config).results_dir
+    if not (results / CELLS_DIR).is_dir():
+        return
     record = baseline_record(b.path, b.requested, b.tolerance)
-    write_baseline_record(suite_options(config).results_dir, {**record, "gate_threshold": b.gate_threshold})
+    write_baseline_record(results, {**record, "gate_threshold": b.gate_threshold})
+    comparison = compare_runs(results, b.path, b.tolerance, b.gate_threshold)
+    config.stash[COMPARISON_KEY] = comparison
+    if not comparison.ok and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # what pytest returns after sessionfinish
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -173,7 +142,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if comparison is None:
         return
     tr = terminalreporter
-    tr.section(SECTION)
+    tr.section(SECTION, red=not comparison.ok)
     tr.write_line(f"baseline: {comparison.baseline_path} (commit {comparison.baseline['commit']}, "
                   f"GPU {comparison.baseline['gpu']}); tolerance {comparison.tolerance:g}")
     for note in comparison.differences():
@@ -181,5 +150,6 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     moved = comparison.moved()
     for line in moved or ["nothing moved beyond tolerance and noise"]:
         tr.write_line(line, red=line.startswith("REGRESSED"), green=line.startswith("improved"))
-    tr.write_line(f"verdict: {'no regression' if comparison.ok else 'REGRESSION'} "
-                  f"({len(comparison.cells)} cells compared)", red=not comparison.ok)
+    verdict = "no regression" if comparison.ok else "REGRESSION: the run fails"
+    tr.write_line(f"verdict: {verdict} ({len(comparison.cells)} cells compared, pair noise sigma "
+                  f"{comparison.noise:.1%})", red=not comparison.ok)

@@ -98,7 +98,7 @@ def test_tight_repeats_in_a_noisy_run_are_widened_to_the_run_s_noise(tmp_path: P
     delta = comparison.cells[(DEFAULT, 60, 1)].of("output_throughput")
     assert delta is not None and delta.overlap and comparison.ok
     assert delta.baseline.lo == pytest.approx(100.0 * (1 - NOISE_SIGMAS * noise))
-    assert "widened to the baseline's noise" in delta.text()
+    assert "widened to the pair's noise" in delta.text()
 
 
 def test_an_improvement_passes_and_is_reported(tmp_path: Path) -> None:
@@ -213,3 +213,39 @@ def test_a_baseline_that_is_gone_is_said_in_the_summary(tmp_path: Path) -> None:
     text = write_sweep_summary(now, DEFAULT, None).read_text()
     assert f"Baseline `{tmp_path / 'deleted'}` is not readable any more" in text
     assert os.path.exists(now / "sweep_summary.md")
+
+
+def noisy_run(factors: list[float] | None = None, spread: float = 0.15) -> list[CellResult]:
+    """quiet_run's cells with repeats at +-`spread`, cell i scaled by factors[i]."""
+    factors = factors or [1.0] * 8
+    return [make_cell(c.config_id, c.context, c.concurrency,
+                      [f * c.metrics["output_throughput"] * (1 + s) for s in (-spread, spread)], [2.0, 2.2])
+            for c, f in zip(quiet_run(), factors)]
+
+
+def test_every_cell_slower_inside_its_own_noise_fails_as_a_shift_naming_the_cells(tmp_path: Path) -> None:
+    base = write_run(tmp_path / "base", noisy_run())
+    slower = [0.75, 0.78, 0.72, 0.76, 0.74, 0.77, 0.75, 0.73]
+    comparison = compare_runs(write_run(tmp_path / "now", noisy_run(slower)), base)
+    assert comparison.regressed == []  # no single cell leaves its spread (+-15% repeats, +-32% widened)
+    shift = comparison.shifts[0]
+    assert shift.name == "all cells" and shift.verdict == "regressed" and shift.ratio == pytest.approx(0.75, abs=0.01)
+    assert not comparison.ok
+    failure = comparison.failures()[0]
+    assert failure.startswith("all cells: regressed: median tok/s ratio 0.75 over 8 cells (band 0.")
+    assert "cells below 0.90: ar @ ctx60 c1 0.75, b4-k4-w2048-bs8 @ ctx60 c1 0.72, b8-k4-w2048-bs8 @ ctx60 c1 0.75," in failure
+    assert [x.name for x in comparison.shift_regressions] == ["all cells"]  # 2 cells per config: no config shift
+
+
+def test_cells_scattered_both_ways_widen_the_spreads_and_pass(tmp_path: Path) -> None:
+    """A shared machine: some cells of the new run got 40% less CPU, others 40% more; no trend."""
+    base = write_run(tmp_path / "base", noisy_run(spread=0.02))
+    scattered = [0.6, 1.4, 1.0, 0.6, 1.4, 1.0, 0.62, 1.38]
+    comparison = compare_runs(write_run(tmp_path / "now", noisy_run(scattered, spread=0.02)), base)
+    assert comparison.noise > 0.2  # the ratios' scatter, not the repeats' 2%
+    assert comparison.ok and comparison.regressed == []
+    assert comparison.shifts[0].verdict == "same"
+    # the same cells with quiet neighbours (no scatter) do regress
+    quiet = [0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    alone = compare_runs(write_run(tmp_path / "alone", noisy_run(quiet, spread=0.02)), base)
+    assert [d.key for d in alone.regressed] == [(DEFAULT, 60, 1)]
