@@ -1,5 +1,8 @@
 """Text <-> token ids for the server: a model folder's tokenizer.json through the `tokenizers` library.
 
+The folder's tokenizer_config.json (when there is one) adds what transformers reads from it: the chat
+template and the special tokens' text (bos_token, eos_token, ...) that the template refers to.
+
 The engine works on token ids only; this module is the one place that knows about text. A model
 folder without a tokenizer.json (e.g. a random test model) has no codec: the server then accepts
 `input_ids` only and answers with empty `text`.
@@ -27,12 +30,13 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        # add_special_tokens follows the tokenizer's own post-processor (a BOS if it declares one)
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # add_special_tokens follows the tokenizer's own post-processor (a BOS if it declares one); a rendered
+        # chat template already holds its special tokens, so chat encodes without them (as transformers does)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)

@@ -1,4 +1,5 @@
-"""HTTP routes with SGLang's API shape: /generate, /v1/completions, /server_info, health, cache, metrics.
+"""HTTP routes with SGLang's API shape: /generate, /tokenize, /detokenize, /server_info, /model_info, health,
+cache and metrics here; the OpenAI routes (/v1/...) in ddtree.serving.openai_api.
 
 Errors are always `{"error": {"message": str, "field": str | null, "code": int}}` with a 4xx/5xx
 status: the message names the field and the allowed range. Validation happens before anything is
@@ -7,55 +8,40 @@ queued, and a bad request never disturbs the others.
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
 
 from ddtree.errors import RequestError
 from ddtree.serving.args import read_config
-from ddtree.serving.state import Progress, RequestStream, ServerState
-from ddtree.serving.validation import Job, parse_completion, parse_generate, parse_json
+from ddtree.serving.openai_api import install_openai_routes
+from ddtree.serving.replies import SSE_DONE, EventStream, Reply, collect, error_chunk, error_response, follow, sse, submit_all
+from ddtree.serving.state import ServerState
+from ddtree.serving.validation import _Strict, parse_generate, parse_json, split_known, tokenize, validate
+
+__all__ = ["error_response", "install_routes"]
 
 
-def error_response(status: int, message: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status_code=status)
+class TokenizeBody(_Strict):
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    add_special_tokens: bool = True
 
 
-class EventStream(StreamingResponse):
-    """SSE response that runs `on_close` however it ends: finished, client gone, or server stopping."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: list[int] | list[list[int]] | None = None
+    skip_special_tokens: bool = True
 
 
 def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - one closure per route
-    def decode(ids: list[int]) -> str:
-        return state.codec.decode(ids) if state.codec is not None else ""
-
-    def generate_payload(p: Progress) -> dict[str, Any]:
-        return {"text": decode(p.output_ids), "output_ids": list(p.output_ids), "meta_info": p.meta_info(state.engine.eos_token_id)}
+    def generate_payload(r: Reply) -> dict[str, Any]:
+        return {"text": r.text, "output_ids": list(r.ids), "meta_info": r.meta_info()}
 
     def reject(err: RequestError) -> JSONResponse:
         state.metrics.record_outcome("invalid" if err.status_code < 500 else "error")
@@ -66,11 +52,10 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
             raise RequestError("server is shutting down", status_code=503)
         return parse_json(await request.body())
 
-    async def first_update(stream: RequestStream) -> AsyncIterator[Progress]:
-        """Wait for the first round so a refused prefill can still be a 4xx, then keep streaming."""
-        updates = stream.updates()
-        first = await anext(updates)
-        return _prepend(first, updates)
+    def codec_or_400(field: str) -> Any:
+        if state.codec is None:
+            raise RequestError(f"{field}: this model folder has no tokenizer.json", field=field)
+        return state.codec
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, err: RequestError) -> JSONResponse:
@@ -116,8 +101,12 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
         return {
             "model_path": state.args.model_path,
             "served_model_name": state.args.served_model_name or state.args.model_path,
-            "tokenizer_path": state.codec.path if state.codec else None,
+            "tokenizer_path": state.args.model_path if state.codec else None,  # a folder, as SGLang reports it
             "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
             "architectures": cfg.get("architectures"),
             "model_type": cfg.get("model_type"),
             "vocab_size": state.engine.vocab_size,
@@ -125,111 +114,50 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
             "context_length": state.context_length,
         }
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        name = state.args.served_model_name or state.args.model_path
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ddtree"}]}
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        body = validate(TokenizeBody, split_known(await read_body(request), TokenizeBody, "", noop={}))
+        if body.prompt is None:
+            raise RequestError("prompt: missing (a string or a list of strings)", field="prompt")
+        codec = codec_or_400("prompt")
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        tokens = [codec.encode(t, add_special_tokens=body.add_special_tokens) for t in texts]
+        if isinstance(body.prompt, str):
+            return {"tokens": tokens[0], "count": len(tokens[0]), "max_model_len": state.context_length}
+        return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": state.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        body = validate(DetokenizeBody, split_known(await read_body(request), DetokenizeBody, "", noop={}))
+        if body.tokens is None:
+            raise RequestError("tokens: missing (a list of token ids, or a list of such lists)", field="tokens")
+        codec = codec_or_400("tokens")
+        batched = bool(body.tokens) and isinstance(body.tokens[0], list)
+        lists = body.tokens if batched else [body.tokens]
+        for ids in lists:
+            tokenize(None, ids or [0], state.limits, "tokens")  # range check only (an empty list decodes to "")
+        texts = [codec.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in lists]  # type: ignore[arg-type]
+        return {"text": texts if batched else texts[0]}
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        jobs, batched = parse_generate(await read_body(request), state.limits)
-        streams = _submit_all(state, jobs)
+        jobs, as_list = parse_generate(await read_body(request), state.limits)
+        pairs = submit_all(state, jobs)
         if jobs[0].stream:
-            stream = streams[0]
-            try:
-                updates = await first_update(stream)
-            except BaseException:
-                state.cancel(stream)
-                raise
+            stream, reply = pairs[0]
+            updates = await follow(state, stream, reply)
 
             async def chunks() -> AsyncIterator[str]:
                 try:
-                    async for p in updates:
-                        if p.output_ids or p.finished:
-                            yield sse(generate_payload(p))
+                    async for r in updates:
+                        if r.ids or r.finished:
+                            yield sse(dict(generate_payload(r), text=r.stream_text()))
                 except RequestError as err:
-                    yield sse({"error": {"message": str(err), "field": err.field, "code": err.status_code}})
+                    yield error_chunk(err)
                 yield SSE_DONE
 
             return EventStream(chunks(), lambda: state.cancel(stream))
-        try:
-            results = [await s.result() for s in streams]
-        finally:
-            for s in streams:
-                state.cancel(s)  # no-op for finished ones; a dropped handler must not leave work behind
-        payloads = [generate_payload(p) for p in results]
-        return JSONResponse(payloads if batched else payloads[0])
+        payloads = [generate_payload(r) for r in await collect(state, pairs)]
+        return JSONResponse(payloads if as_list else payloads[0])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        job, body = parse_completion(await read_body(request), state.limits)
-        stream = _submit_all(state, [job])[0]
-        model = body.model or state.args.served_model_name or state.args.model_path
-        created = int(time.time())
-
-        def usage(p: Progress) -> dict[str, int]:
-            prompt = len(p.request.prompt_ids)
-            return {"prompt_tokens": prompt, "completion_tokens": len(p.output_ids), "total_tokens": prompt + len(p.output_ids)}
-
-        def spec_details(p: Progress) -> dict[str, Any]:
-            meta = p.meta_info(state.engine.eos_token_id)
-            keys = ("spec_verify_ct", "spec_accept_length", "spec_accept_histogram", "spec_num_correct_drafts", "e2e_latency")
-            return {k: meta[k] for k in keys}
-
-        base = {"id": job.request.request_id, "object": "text_completion", "created": created, "model": model}
-        if job.stream:
-            try:
-                updates = await first_update(stream)
-            except BaseException:
-                state.cancel(stream)
-                raise
-
-            async def chunks() -> AsyncIterator[str]:
-                sent = 0
-                try:
-                    async for p in updates:
-                        text = decode(p.output_ids)
-                        delta, sent = text[sent:], len(text)
-                        if not delta and not p.finished:
-                            continue
-                        chunk = dict(base, choices=[{"index": 0, "text": delta, "logprobs": None, "finish_reason": p.finish_reason}])
-                        if p.finished:
-                            chunk["usage"] = usage(p)
-                            chunk["sglext"] = {"spec_tokens_details": spec_details(p)}
-                        yield sse(chunk)
-                except RequestError as err:
-                    yield sse({"error": {"message": str(err), "field": err.field, "code": err.status_code}})
-                yield SSE_DONE
-
-            return EventStream(chunks(), lambda: state.cancel(stream))
-        try:
-            p = await stream.result()
-        finally:
-            state.cancel(stream)
-        return JSONResponse(
-            dict(
-                base,
-                choices=[{"index": 0, "text": decode(p.output_ids), "logprobs": None, "finish_reason": p.finish_reason}],
-                usage=usage(p),
-                sglext={"spec_tokens_details": spec_details(p), "output_ids": list(p.output_ids)},
-            )
-        )
-
-
-def _submit_all(state: ServerState, jobs: list[Job]) -> list[RequestStream]:
-    """Queue every job or none: a refused one (e.g. a duplicate rid) cancels those already queued."""
-    streams: list[RequestStream] = []
-    try:
-        for job in jobs:
-            streams.append(state.submit(job.request))
-    except RequestError:
-        for s in streams:
-            state.cancel(s)
-        raise
-    return streams
-
-
-async def _prepend(first: Progress, rest: AsyncIterator[Progress]) -> AsyncIterator[Progress]:
-    yield first
-    async for p in rest:
-        yield p
+    install_openai_routes(app, state, read_body)

@@ -1,0 +1,204 @@
+"""From a request's progress to what the client gets: text, stop strings, finish reason, log-probs, SSE plumbing.
+
+A `Reply` reads one job's `Progress` (the engine's committed tokens) and derives the answer: the text,
+cut at a stop string (ddtree.serving.stops) with the token ids cut to match, SGLang's finish_reason,
+and `meta_info`. `collect` and `follow` drive a RequestStream for a plain and a streamed answer; a
+stop string ends the engine request there. The native routes (api.py) and /v1 (openai_api.py) share
+all of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ddtree.errors import RequestError
+from ddtree.serving.state import Progress, RequestStream, ServerState
+from ddtree.serving.stops import find_stop, held_back, tokens_for
+from ddtree.serving.validation import Job
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_response(status: int, message: str, field: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status_code=status)
+
+
+def error_chunk(err: RequestError) -> str:
+    return sse({"error": {"message": str(err), "field": err.field, "code": err.status_code}})
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """SSE response that runs `on_close` however it ends: finished, client gone, or server stopping."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Reply:
+    """The answer to one job so far; `update()` after every round of its progress."""
+
+    def __init__(self, job: Job, progress: Progress, state: ServerState) -> None:
+        self.job = job
+        self.progress = progress
+        self._codec = state.codec
+        self._eos = state.engine.eos_token_id
+        self.ids: list[int] = []
+        self.text = ""
+        self.matched: str | None = None  # the stop string that ended it
+        self._searched = 0  # text before this offset holds no stop string
+
+    def decode(self, ids: list[int]) -> str:
+        if self._codec is None:
+            return ""
+        return self._codec.decode(ids, skip_special_tokens=self.job.output.skip_special_tokens)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or self.progress.finished
+
+    def update(self) -> None:
+        if self.stopped:
+            return
+        ids = list(self.progress.output_ids)
+        text = self.decode(ids)
+        out = self.job.output
+        if out.stop and len(ids) >= max(out.min_new_tokens, 1):
+            start = max(0, self._searched - max(len(s) for s in out.stop) + 1)
+            while (hit := find_stop(text, out.stop, start)) is not None:
+                at, stop = hit
+                end = at + len(stop)
+                keep = tokens_for(ids, end, self.decode)
+                if keep >= out.min_new_tokens:
+                    self.ids, self.matched = ids[:keep], stop
+                    self.text = text[:end] if out.no_stop_trim else text[:at]
+                    return
+                start = at + 1
+            self._searched = len(text)
+        self.ids, self.text = ids, text
+
+    def stream_text(self) -> str:
+        """The text a stream may send now: not a tail that a stop string or an unfinished character may change."""
+        if self.finished:
+            return self.text
+        text = self.text.rstrip("\ufffd")  # a multi-byte character whose last bytes are still to come
+        return text[: len(text) - held_back(text, self.job.output.stop)]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return "stop" if self.stopped else self.progress.finish_reason
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        """What ended it: a stop string, a stop token id (EOS included), or None (length, abort, running)."""
+        if self.stopped:
+            return self.matched
+        if self.progress.finish_reason == "stop":
+            return self.ids[-1] if self.ids else self._eos
+        return None
+
+    def finish_dict(self) -> dict[str, Any] | None:
+        reason = self.finish_reason
+        if reason is None:
+            return None
+        if reason == "length":
+            return {"type": "length", "length": len(self.ids)}
+        if reason == "stop":
+            return {"type": "stop", "matched": self.matched_stop}
+        return {"type": reason, "message": "request aborted"}
+
+    def token_logprobs(self) -> list[float]:
+        """The target's log-prob of each kept token (the engine reports them when the request asked)."""
+        return list(getattr(self.progress, "output_logprobs", ()))[: len(self.ids)]
+
+    def meta_info(self) -> dict[str, Any]:
+        meta = self.progress.meta_info(self._eos)
+        meta["completion_tokens"] = len(self.ids)
+        meta["finish_reason"] = self.finish_dict()
+        verify = meta["spec_verify_ct"]
+        meta["spec_accept_length"] = len(self.ids) / verify if verify else 0.0
+        if self.job.output.logprobs:
+            texts = [self.decode([t]) if self.job.output.text_in_logprobs else None for t in self.ids]
+            meta["output_token_logprobs"] = [list(e) for e in zip(self.token_logprobs(), self.ids, texts)]
+            meta["input_token_logprobs"] = []
+        return meta
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.progress.request.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.ids), "total_tokens": prompt + len(self.ids)}
+
+
+def submit_all(state: ServerState, jobs: list[Job]) -> list[tuple[RequestStream, Reply]]:
+    """Queue every job or none: a refused one (e.g. a duplicate rid) cancels those already queued.
+
+    A job with stop strings is woken every round even when not streamed, so a stop string ends it early.
+    """
+    out: list[tuple[RequestStream, Reply]] = []
+    try:
+        for job in jobs:
+            stream = state.submit(job.request, stream=job.stream or bool(job.output.stop))
+            out.append((stream, Reply(job, stream.progress, state)))
+    except RequestError:
+        for stream, _ in out:
+            state.cancel(stream)
+        raise
+    return out
+
+
+async def collect(state: ServerState, pairs: list[tuple[RequestStream, Reply]]) -> list[Reply]:
+    """Every reply, finished; whatever happens, nothing is left running."""
+    try:
+        for stream, reply in pairs:
+            async for _ in stream.updates():
+                reply.update()
+                if reply.stopped:
+                    break
+            reply.update()
+    finally:
+        for stream, _ in pairs:
+            state.cancel(stream)  # no-op for finished ones; a dropped handler or a stop string must not leave work behind
+    return [reply for _, reply in pairs]
+
+
+async def follow(state: ServerState, stream: RequestStream, reply: Reply) -> AsyncIterator[Reply]:
+    """Wait for the first round (so a refused prefill can still be a 4xx), then yield the reply after every round."""
+    updates = stream.updates()
+    try:
+        await anext(updates)
+    except BaseException:
+        state.cancel(stream)
+        raise
+    reply.update()
+    return _follow(state, stream, reply, updates)
+
+
+async def _follow(state: ServerState, stream: RequestStream, reply: Reply, updates: AsyncIterator[Progress]) -> AsyncIterator[Reply]:
+    yield reply
+    if reply.finished:
+        state.cancel(stream)
+        return
+    async for _ in updates:
+        reply.update()
+        yield reply
+        if reply.stopped:
+            state.cancel(stream)
+            return
