@@ -31,7 +31,7 @@ from ddtree.bench.baseline import (
     resolve_baseline,
     write_baseline_record,
 )
-from ddtree.bench.results import CELLS_DIR, CellResult, read_cells, read_quality
+from ddtree.bench.results import CELLS_DIR, CellResult, read_cells
 from ddtree.suite.state import suite_active, suite_options, suite_state
 
 HELP = {
@@ -44,13 +44,12 @@ SECTION = "ddtree baseline"
 
 @dataclass
 class Baseline:
-    """The resolved baseline of this run: where it is, what was asked for, its cells and gates."""
+    """The resolved baseline of this run: where it is, what was asked for, its cells."""
 
     path: Path
     requested: str
     tolerance: float
     cells: list[CellResult]
-    gates: dict[str, dict[str, Any]]
     gate_threshold: float | None
 
 
@@ -96,8 +95,7 @@ def load_baseline(config: pytest.Config) -> Baseline | None:
         raise pytest.UsageError(f"{where}: {err}") from err
     if path == options.results_dir.resolve():
         raise pytest.UsageError(f"{where}: {path} is this run's own --results-dir; name an earlier run")
-    return Baseline(path, str(arg), tolerance, read_cells(path), read_quality(path),
-                    options.grid.quality.threshold)
+    return Baseline(path, str(arg), tolerance, read_cells(path), options.grid.quality.threshold)
 
 
 @pytest.hookimpl(trylast=True)  # after ddtree.suite.plugin has parsed the suite's options
