@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -415,7 +416,24 @@ class SystemdBackend:
         state = self._run(["systemctl", "is-active", self.unit], check=False).stdout.strip()
         if state in ("active", "activating", "reloading"):
             return True, ""
-        return False, f"systemctl is-active {self.unit}: {state or 'unknown'}"
+        return False, f"systemctl is-active {self.unit}: {state or 'unknown'}{self._main_exit()}"
+
+    def _main_exit(self) -> str:
+        """How the unit's main process ended, from systemd's ExecMainCode/ExecMainStatus (waitid's
+        CLD_EXITED=1: an exit code; CLD_KILLED=2, CLD_DUMPED=3: a signal); "" when unknown."""
+        out = self._run(["systemctl", "show", self.unit, "-p", "ExecMainCode", "-p", "ExecMainStatus"],
+                        check=False).stdout
+        values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        code, status = values.get("ExecMainCode", ""), values.get("ExecMainStatus", "")
+        if not status.isdigit() or code not in ("1", "2", "3"):
+            return ""
+        if code == "1":
+            return f" (main process exited with code {status})"
+        try:
+            name = signal.Signals(int(status)).name
+        except ValueError:
+            name = f"signal {status}"
+        return f" (main process killed by {name}{', core dumped' if code == '3' else ''})"
 
     def log_since_start(self) -> str:
         argv = ["journalctl", "-u", self.unit, "--no-pager", "-o", "short-iso"]

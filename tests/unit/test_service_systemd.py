@@ -62,6 +62,7 @@ class FakeHost:
                         "draft_window_size=2048, compact_cache=True"]
         self.state = "active"
         self.print_init_line = True
+        self.main_exit = "ExecMainCode=0\nExecMainStatus=0\n"  # systemctl show's, for a dead unit
         self.commands: list[list[str]] = []
 
     def __call__(self, argv: list[str], stdin: str | None) -> CommandResult:
@@ -92,6 +93,8 @@ class FakeHost:
                 return CommandResult(0 if self.state == "active" else 1, "")
             case ["systemctl", "is-active", _]:
                 return CommandResult(0 if self.state == "active" else 3, self.state + "\n")
+            case ["systemctl", "show", _, "-p", "ExecMainCode", "-p", "ExecMainStatus"]:
+                return CommandResult(0, self.main_exit)
             case ["journalctl", "-u", _, "--no-pager", "-o", "short-iso", *rest]:
                 start = int(rest[1].split("i=")[1]) if rest[:1] == ["--after-cursor"] else 0
                 return CommandResult(0, "".join(line + "\n" for line in self.journal[start:]))
@@ -220,6 +223,10 @@ def test_failed_unit_is_dead_with_a_reason_and_restart_failure_carries_the_journ
     backend = _backend(host)
     host.state = "failed"
     assert backend.is_alive() == (False, "systemctl is-active sglang.service: failed")
+    host.main_exit = "ExecMainCode=2\nExecMainStatus=9\n"  # CLD_KILLED by signal 9
+    assert backend.is_alive() == (False, "systemctl is-active sglang.service: failed (main process killed by SIGKILL)")
+    host.main_exit = "ExecMainCode=1\nExecMainStatus=3\n"
+    assert backend.is_alive()[1].endswith("(main process exited with code 3)")
     with pytest.raises(ServiceStartError, match="systemctl restart sglang.service exited with 1") as info:
         backend.start(DEFAULT)
     assert "The server is fired up" in info.value.log_tail
