@@ -489,8 +489,8 @@ def render_header(comparison: Comparison, record: dict[str, Any] | None = None) 
              + f"; tolerance {c.tolerance:.0%}; tok/s spreads at least ±{NOISE_SIGMAS:g} sigma of the pair's "
              f"noise (sigma {c.noise:.1%}).", ""]
     lines += [f"- Note: {note}" for note in c.differences()]
-    verdict = "no regression" if c.ok else (f"{len(c.shift_regressions)} shifts, {len(c.regressed)} cells and "
-                                            f"{len(c.gate_regressions)} gates regressed")
+    verdict = "no regression" if c.ok else (f"regressed: {len(c.shift_regressions)} shifts, {len(c.regressed)} cells, "
+                                            f"{len(c.gate_regressions)} gates")
     lines += [f"- Verdict: **{verdict}** ({len(c.cells)} cells compared, {len(c.improved)} improved, "
               f"{len(c.only_baseline)} missing now, {len(c.only_current)} new)", "", "### What moved", ""]
     moved = c.moved()

@@ -81,13 +81,15 @@ def _save(fig: Figure, path: Path) -> Path:
 def plot_trend(runs: Sequence[Run], key: tuple[int, int], path: Path) -> Path:
     fig = Figure(figsize=(9, 7), layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
+    configs = sorted({c.config_id for run in runs for c in run.cells})
+    color = {config_id: f"C{i % 10}" for i, config_id in enumerate(configs)}  # the same in both panels
     for ax, metric, label in ((axes[0], "output_throughput", "output tok/s (median, repeats' range)"),
                               (axes[1], "accept_length", "acceptance length (tokens / step)")):
         for config_id, points in sorted(_series(runs, key, metric).items()):
             dates = [p[0] for p in points]
             values = [p[1] for p in points]
             errors = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
-            ax.errorbar(dates, values, yerr=errors, marker="o", capsize=3, label=config_id)
+            ax.errorbar(dates, values, yerr=errors, marker="o", capsize=3, label=config_id, color=color[config_id])
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8, loc="best")
@@ -142,6 +144,9 @@ def plot_comparison(comparison: Comparison, path: Path) -> Path:
     ax.axvline(1.0, color="black", linewidth=1)
     ax.axvspan(1 - comparison.tolerance, 1 + comparison.tolerance, color="tab:blue", alpha=0.1,
                label=f"tolerance ±{comparison.tolerance:.0%}")
+    for shift in comparison.shifts[:1]:  # all cells: where the whole run moved
+        ax.axvline(shift.ratio, color=colors[shift.verdict], linestyle="--", linewidth=1.5,
+                   label=f"median ratio, all cells: {shift.ratio:.2f} ({shift.verdict})")
     ax.set_xlabel("output tok/s, now / baseline (red: regressed, green: improved)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)
