@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,7 +37,8 @@ GENERATOR_DIRS = (Path("/usr/lib/systemd/system-generators"), Path("/lib/systemd
 # The only units of the image the booted system may start: the journal (journalctl is tested).
 KEEP_UNITS = {"systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket"}
 MASKED_SUFFIXES = (".service", ".socket", ".timer", ".path", ".mount", ".automount", ".swap")
-TOOLS = ("unshare", "nsenter", "pivot_root", "mount", "sshd", "ssh", "ssh-keygen", "useradd")
+TOOLS = {"unshare": "util-linux", "nsenter": "util-linux", "pivot_root": "util-linux", "mount": "mount",
+         "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "useradd": "passwd"}
 TARGET = "ddtree-test.target"
 CGROUP_PREFIX = "ddtree-systemd-test-"
 PR_SET_PDEATHSIG = 1
@@ -54,9 +56,9 @@ def missing_prerequisites() -> list[str]:
         missing.append("not root (namespaces, mounts and cgroups need root)")
     if not SYSTEMD.exists():
         missing.append(f"{SYSTEMD} is not installed")
-    for tool in TOOLS:
+    for tool, package in TOOLS.items():
         if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists():
-            missing.append(f"`{tool}` not found (openssh-server, openssh-client, util-linux, passwd)")
+            missing.append(f"`{tool}` not found (Debian package {package})")
     if cgroup2_mount() is None:
         missing.append("no cgroup2 hierarchy is mounted")
     return missing
@@ -100,6 +102,30 @@ def pids_in_namespace(ident: str, kind: str = "pid") -> list[int]:
             except OSError:  # gone, or a kernel thread
                 continue
     return found
+
+
+def running_in_namespace(ident: str) -> list[int]:
+    """pids_in_namespace(ident) without the processes that have exited (zombies)."""
+    return [pid for pid in pids_in_namespace(ident) if not is_zombie(pid)]
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True  # gone
+
+
+def describe(pid: int) -> str:
+    """pid, state, parent and command line of a process, for an error message."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
+    return (f"{pid} (inside: {status.get('NSpid', '?').split()[-1]}) {status.get('State', '?')} "
+            f"ppid {status.get('PPid', '?')}: {cmdline.strip()[:200]}")
 
 
 def remove_cgroup_tree(top: Path) -> bool:
@@ -228,21 +254,38 @@ class SystemdHost:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                if self.pid is not None:  # PID 1 of a pid namespace dies: the kernel kills the rest
+                # PID 1 of a pid namespace dies: the kernel kills the rest (unshare's SIGKILL
+                # reaches systemd through --kill-child when its pid is not known yet).
+                for pid in (self.pid, self.proc.pid):
+                    if pid is None:
+                        continue
                     try:
-                        os.kill(self.pid, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 self.proc.wait(timeout=30)
         left = self._remove_cgroup()
-        survivors = pids_in_namespace(self.pid_ns) if self.pid_ns else []
+        survivors = self.running_processes(wait_s=10)  # SIGKILLed ones may take a moment to go
         for pid in survivors:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if survivors or left:
-            raise HostError(f"teardown left processes {survivors} / cgroups {left}")
+            raise HostError(f"teardown left processes {[describe(p) for p in survivors]} / cgroups {left}")
+
+    def running_processes(self, wait_s: float = 0.0) -> list[int]:
+        """Host pids of the booted system's processes that have not exited, after up to `wait_s`.
+
+        Exited ones count as gone: a process that entered by nsenter and was reparented out of
+        the namespace can stay a zombie of this machine's init until that init reaps it.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = running_in_namespace(self.pid_ns) if self.pid_ns else []
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(0.1)
 
     def _remove_cgroup(self) -> list[str]:
         """Kill anything still in the cgroup tree and remove it; the paths that remain."""
@@ -266,8 +309,6 @@ class SystemdHost:
 
     def ssh(self, argv: list[str], *, user: str | None = None, check: bool = True,
             timeout: float = 30) -> subprocess.CompletedProcess[str]:
-        import shlex
-
         host = f"{user}@{self.ssh_alias}" if user else self.ssh_alias
         return subprocess.run(self.in_net(["ssh", "-F", str(self.ssh_config), host, shlex.join(argv)]),
                               capture_output=True, text=True, timeout=timeout, check=check)

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,8 @@ from tests.systemd.host import (
     SystemdHost,
     default_ro_paths,
     missing_prerequisites,
-    pids_in_namespace,
     remove_cgroup_tree,
+    running_in_namespace,
 )
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
@@ -123,7 +124,7 @@ def output(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_a_sweep_reconfigures_restarts_and_restores_a_real_systemd_unit(
         prerequisites: None, tmp_path: Path) -> None:
-    canaries = plant_canaries(tmp_path.name)
+    canaries = plant_canaries(f"{os.getpid()}-{uuid.uuid4().hex[:12]}")  # unique: runs may overlap
     etc_before = {d: tree_digest(d) for d in (Path("/etc/systemd"), Path("/etc/ssh"))}
     hostname = socket.gethostname()
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(GRID))
@@ -172,7 +173,7 @@ def test_a_sweep_reconfigures_restarts_and_restores_a_real_systemd_unit(
 
     # Nothing of the booted system is left, and the machine's /tmp, /var/tmp and /etc are as before.
     assert host_tmp_ok == dict.fromkeys(canaries, True)
-    assert pid_ns and pids_in_namespace(pid_ns) == []
+    assert pid_ns and running_in_namespace(pid_ns) == []
     assert host.cgroup is not None and not host.cgroup.exists()
     assert list(host.root.iterdir()) == []  # the private root was a tmpfs of the booted system's mounts
     assert {d: tree_digest(d) for d in etc_before} == etc_before
@@ -188,11 +189,11 @@ def test_a_killed_test_process_takes_the_booted_system_down(prerequisites: None,
                           stdout=subprocess.PIPE, text=True) as child:
         try:
             pid_ns, cgroup = json.loads(child.stdout.readline())  # type: ignore[union-attr]
-            assert pids_in_namespace(pid_ns), "the booted system has no process"
+            assert running_in_namespace(pid_ns), "the booted system has no process"
         finally:
             child.kill()
     deadline = time.monotonic() + 20
-    while pids_in_namespace(pid_ns) and time.monotonic() < deadline:
+    while running_in_namespace(pid_ns) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert pids_in_namespace(pid_ns) == []
+    assert running_in_namespace(pid_ns) == []
     assert remove_cgroup_tree(Path(cgroup))  # left empty; the next boot would remove it too
