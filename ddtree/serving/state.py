@@ -30,12 +30,14 @@ from ddtree.text import TextCodec
 log = logging.getLogger("ddtree.server")
 
 HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
-# Streamed chunks per second, all streams together, that the server aims at: each stream waits
-# open_streams / STREAM_CHUNKS_PER_S after a chunk before its next (a chunk holds every round since).
-# One stream gets a chunk per round up to 2000 rounds/s; 32 get one every 16 ms. A chunk costs the
-# loop ~50-100 us and a Python client about as much, so a chunk per round per stream at 32 streams
-# and ~1 ms rounds (AR on the H200) saturated both (docs/perf.md, "HTTP server").
+# How often a stream sends: after a chunk it waits max(STREAM_MIN_INTERVAL_S, open streams /
+# STREAM_CHUNKS_PER_S) before the next, which holds every round since (the first chunk and the last
+# are never held back). One stream gets a chunk every 2 ms, 32 streams one every 16 ms. A chunk costs
+# the event loop ~50-100 us under the GIL the scheduler's rounds need, and a Python client about as
+# much: on the H200 a chunk per round per stream (32 streams, ~1 ms AR rounds) saturated both, and a
+# chunk every 0.5 ms at one stream slowed its rounds by 12% (docs/perf.md, "HTTP server").
 STREAM_CHUNKS_PER_S = 2000.0
+STREAM_MIN_INTERVAL_S = 0.002
 READY_LINE = "The server is fired up and ready to roll!"
 
 
@@ -61,9 +63,11 @@ class Progress:
     finish_reason: str | None = None
     first_token_latency: float | None = None
     accept_histogram: list[int] = field(default_factory=lambda: [0])  # [n]: rounds that accepted n tokens
+    output_logprobs: list[float] = field(default_factory=list)  # one per output id when the request asked
 
     def apply(self, out: StepOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
+        self.output_logprobs.extend(out.logprobs)
         if out.new_token_ids and self.first_token_latency is None:
             self.first_token_latency = time.perf_counter() - self.started
         self.verify_steps = max(self.verify_steps, out.verify_steps)
@@ -201,7 +205,7 @@ class ServerState:
         self.scheduler = Scheduler(batch, args.max_running_requests, self.metrics, deliver=self._deliver,
                                    warm_token=warm_token)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._open_streams = 0  # streaming requests not yet finished (their chunks share STREAM_CHUNKS_PER_S)
+        self._open_streams = 0  # streaming requests not yet finished (they share STREAM_CHUNKS_PER_S)
         self.ready = False
         self.draining = False
         self.fatal: str | None = None  # set when warm-up fails; the process exits with status 1
@@ -263,7 +267,7 @@ class ServerState:
         return out
 
     def _stream_pace(self) -> float:
-        return self._open_streams / STREAM_CHUNKS_PER_S
+        return max(STREAM_MIN_INTERVAL_S, self._open_streams / STREAM_CHUNKS_PER_S)
 
     def _stream_done(self) -> None:
         self._open_streams -= 1
