@@ -563,9 +563,10 @@ def test_prompt_past_context_names_both_numbers() -> None:
     [
         pytest.param({"max_tokens": 4}, "prompt", id="missing-prompt"),
         pytest.param({"prompt": [1], "max_tokens": 0}, "max_tokens", id="zero-max-tokens"),
-        pytest.param({"prompt": [1], "n": 2}, "n", id="n-unsupported"),
+        pytest.param({"prompt": [1], "n": 0}, "n", id="zero-n"),
         pytest.param({"prompt": [1], "temperature": -1}, "temperature", id="negative-temperature"),
-        pytest.param({"prompt": [1], "logit_bias": {}}, "logit_bias", id="unknown-field"),
+        pytest.param({"prompt": [1], "logit_bias": {"5": 1.0}}, "logit_bias", id="unsupported-field-set"),
+        pytest.param({"prompt": [1], "bogus": 1}, "bogus", id="unknown-field"),
     ],
 )
 def test_bad_completion_input_is_a_400_naming_the_field(payload: dict[str, Any], field: str) -> None:
