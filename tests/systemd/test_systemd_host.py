@@ -143,6 +143,11 @@ def test_a_sweep_reconfigures_restarts_and_restores_a_real_systemd_unit(
             cells = sorted(p.name for p in (tmp_path / "results").rglob("*.json") if "ctx16" in p.name)
             assert len(cells) == 2, (cells, output(result))
 
+            restore = json.loads((tmp_path / "results" / "restore.json").read_text())
+            assert restore["ok"] and restore["deploy_order"] == ["b8-k4-w2048-bs8", "b4-k4-w2048-bs8"], restore
+            init_check = next(line for line in restore["checks"] if line.startswith("init log line of this start"))
+            assert ": ok [" in init_check and "tree_budget=8" in init_check, restore["checks"]
+
             # ExecStart was edited for b4 and put back byte for byte; systemd loaded the restored file.
             assert host.inside(["cat", UNIT_PATH]).stdout == original
             shown = host.inside(["systemctl", "show", UNIT, "-p", "ExecStart", "--value"]).stdout
@@ -178,6 +183,7 @@ def test_a_sweep_reconfigures_restarts_and_restores_a_real_systemd_unit(
     assert list(host.root.iterdir()) == []  # the private root was a tmpfs of the booted system's mounts
     assert {d: tree_digest(d) for d in etc_before} == etc_before
     assert socket.gethostname() == hostname
+    assert not [line for line in Path("/etc/passwd").read_text().splitlines() if line.startswith("ddtree:")]
 
 
 def test_a_killed_test_process_takes_the_booted_system_down(prerequisites: None, tmp_path: Path) -> None:
