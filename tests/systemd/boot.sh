@@ -7,6 +7,8 @@
 # ROOT: an empty directory (the tmpfs is mounted on it, in this mount namespace only)
 # PAYLOAD: a directory whose tree is copied over the new root (units, ssh config, keys)
 set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
 root=$1
 payload=$2
 shift 2

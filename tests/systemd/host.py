@@ -2,7 +2,7 @@
 
     with SystemdHost(workdir, units=...) as host:   # boots, waits for sshd
         host.ssh_config                            # ssh -F this; Host `host.ssh_alias` is root@127.0.0.1
-        subprocess.run(host.in_net([...]))         # argv run in the host's network namespace
+        subprocess.run(host.in_net([...]))         # argv run here, in the booted system's network namespace
 
 The booted system gets new pid, mount, uts, net and cgroup namespaces (util-linux `unshare`) and
 a private root built by boot.sh: /usr and the interpreter and repository read-only, /etc and /var
@@ -57,7 +57,7 @@ def missing_prerequisites() -> list[str]:
     if not SYSTEMD.exists():
         missing.append(f"{SYSTEMD} is not installed")
     for tool, package in TOOLS.items():
-        if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists():
+        if find_tool(tool) is None:
             missing.append(f"`{tool}` not found (Debian package {package})")
     if cgroup2_mount() is None:
         missing.append("no cgroup2 hierarchy is mounted")
@@ -80,8 +80,13 @@ def own_cgroup2_path() -> str:
     raise HostError("/proc/self/cgroup has no cgroup2 (0::) line")
 
 
+def find_tool(tool: str) -> str | None:
+    """`tool` on PATH, else in /usr/sbin (sshd and pivot_root live there; a user's PATH may lack it)."""
+    return shutil.which(tool) or (str(Path("/usr/sbin", tool)) if Path("/usr/sbin", tool).exists() else None)
+
+
 def which(tool: str) -> str:
-    found = shutil.which(tool) or (str(Path("/usr/sbin", tool)) if Path("/usr/sbin", tool).exists() else None)
+    found = find_tool(tool)
     if found is None:
         raise HostError(f"`{tool}` not found")
     return found
