@@ -141,7 +141,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [
         f"ddtree grid: {o.grid.name} ({o.grid.path}): {len(e.configs)} configs, {len(e.kept)} cells, "
         f"{len(e.removed)} removed as impossible; repeats {o.repeats}",
-        f"ddtree service: {o.service}; device: {o.device}; model: {o.model_path}; drafter: {o.draft_model_path}",
+        f"ddtree service: {o.service}; device: {o.device}; model: {o.model_path}; drafter: {o.draft_model_path}; "
+        f"dialect: {o.dialect.name}; tokens: {o.tokenize}; start retries: {o.start_retries}",
         f"ddtree results: {o.results_dir}; floors: {o.floors.profile} ({o.floors.path}), "
         f"tolerance {o.tolerance:g}{'; recording floors' if o.update_floors else ''}",
     ]
