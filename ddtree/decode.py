@@ -49,7 +49,7 @@ from ddtree.prefill import FORWARD_COST_TOKENS, FORWARD_COST_TOKENS_ACCELERATOR,
 from ddtree.request import Request, Row, StepOutput, emit, validate_request
 from ddtree.round_costs import CHOOSE_EVERY, RoundCosts
 from ddtree.round_graphs import GraphedRounds, RoundState, Stage, StageTimer
-from ddtree.sampling import choose_tokens_no_sync
+from ddtree.sampling import Filters, Mode, ban_tokens, choose_tokens_no_sync, token_logprobs
 
 
 class BatchEngine(Protocol):
@@ -110,6 +110,12 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
         self.seeds = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        # per-slot sampling state beyond T and the seed (ddtree.sampling: Filters, ban_tokens)
+        self.top_ks = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # <= 0: off
+        self.top_ps = torch.ones(max_batch, dtype=torch.float32, device=self.device)
+        self.min_ps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
+        self.min_until = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # stop tokens banned below
+        self.banned: torch.Tensor | None = None  # [max_batch, V] a slot's stop tokens; made when first needed
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -187,7 +193,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
     def _ar_round(self) -> list[StepOutput]:
         n = len(self.rows)
         m = self._padded_rows(n)
-        sampled = self._any_sampled()
+        sampled = self._mode()
         hint = None if self.graphs is not None else max(r.committed for r in self.rows) + 1
         cache, _ = self._first_rows(m)
 
@@ -195,7 +201,9 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             committed = cache.lengths.clone()  # [m] == each row's committed length, already on the device
             logits, _ = self.engine.target.forward(self.bonus[:m, None], committed[:, None], cache, None, None,
                                                    kv_len_hint=hint, attention=self.attention)
-            s.next = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], committed[:, None] + 1, sampled)[:, 0]
+            s.next = self._choose(logits, slice(0, m), committed[:, None] + 1, sampled)[:, 0]
+            if sampled & Mode.LOGPROBS:
+                s.logprobs = token_logprobs(logits, s.next[:, None])  # [m, 1]
 
         def walk(s: RoundState) -> None:
             cache.advance(torch.ones(m, dtype=torch.long, device=self.device))
@@ -203,19 +211,21 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
 
         s = self._run_stages(("ar", m, sampled), lambda: [("verify", verify), ("walk", walk)], RoundState())
         tokens = s.next[:n].tolist()  # the one sync: hand the tokens back
+        logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then
         self.timer.stop()
         self._clear_padding(n, m)
         outputs = []
         for slot, row in enumerate(self.rows):
             row.committed += 1
-            outputs.append(emit(row, [tokens[slot]], accept=None))
+            wanted = logprobs is not None and row.request.return_logprob
+            outputs.append(emit(row, [tokens[slot]], accept=None, logprobs=logprobs[slot] if wanted else None))
         return outputs
 
     def _speculative_round(self) -> list[StepOutput]:
         n, cap = len(self.rows), self.spec.budget_cap
         m = self._padded_rows(n)
         graphed = self.graphs is not None
-        sampled = self._any_sampled()
+        sampled = self._mode()
         started, captures = time.perf_counter(), (self.graphs.captures if self.graphs is not None else 0)
         # host bound for the eager "sdpa" attention only (graphed rounds read every length on the device)
         longest = None if graphed else max(r.committed for r in self.rows)
@@ -251,6 +261,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
         width = s.accepted.shape[1]
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
+        logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then
         tail = 0  # columns after the accepted length: next round's tree size when it rides along
         if choosing:
             self._next_budget, tail = host[0][-1], 1
@@ -270,12 +281,13 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             new_tokens = host[slot][1:k] + [host[slot][width]]  # accepted drafts, then the bonus
             row.committed += k
             row.verify_steps += 1
-            out = emit(row, new_tokens, accept=k)
+            wanted = logprobs is not None and row.request.return_logprob
+            out = emit(row, new_tokens, accept=k, logprobs=logprobs[slot][:k] if wanted else None)
             out.budgets = [budget]
             outputs.append(out)
         return outputs
 
-    def _round_stages(self, m: int, budget: int, sampled: bool, choose_next: bool,
+    def _round_stages(self, m: int, budget: int, sampled: Mode, choose_next: bool,
                       longest: int | None) -> list[tuple[str, Stage]]:
         """A whole round for m rows verifying `budget` nodes; choose_next: built at the budget cap, and also
         choosing the next round's size (budget auto), else built at `budget`."""
@@ -317,7 +329,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             stages.append(("build", choose_next_budget))
         return stages
 
-    def _verify_stages(self, m: int, budget: int, sampled: bool, longest: int | None,
+    def _verify_stages(self, m: int, budget: int, sampled: Mode, longest: int | None,
                        hand_on: bool) -> list[tuple[str, Stage]]:
         """Steps 3-6 for m rows on the first `budget` nodes of the built trees (hand_on: the next round's
         size, chosen in the draft stages, rides along in the rows the host reads)."""
@@ -340,7 +352,9 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
                 c.input_ids, c.position_ids, cache, None if chain else c.mask, eng.tap_layers,
                 kv_len_hint=None if longest is None else longest + budget + 1, attention=self.attention,
                 tree_bitmask=None if chain else c.bitmask)
-            s.target_tokens = choose_tokens_no_sync(logits, self.temps[:m], self.seeds[:m], c.position_ids + 1, sampled)
+            s.target_tokens = self._choose(logits, slice(0, m), c.position_ids + 1, sampled)
+            if sampled & Mode.LOGPROBS:
+                s.logprobs = token_logprobs(logits, s.target_tokens)  # [m, B+1]: at every node, for now
 
         # 5. walk: the nodes whose every ancestor matches the target's token; the deepest gives the bonus
         def walk(s: RoundState) -> None:
@@ -349,6 +363,8 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             accepted, s.accept_lens, s.new_bonus = tree_ops.follow_trees(s.trees, s.compiled, s.target_tokens)
             # A path never holds more than budget + 1 nodes: keep the compaction inside the verify window.
             s.accepted = accepted[:, : min(accepted.shape[1], budget + 1)]
+            if sampled & Mode.LOGPROBS:  # the committed tokens' log-probs: the target's at each accepted node
+                s.logprobs = s.logprobs.gather(1, s.accepted.clamp_min(0))  # [m, width]
 
         # 6. compact: target KV to the accepted path; accepted hidden states into the drafter context
         def compact(s: RoundState) -> None:
@@ -377,8 +393,55 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             self._views[m] = (self.cache.rows(0, m), None if self.ctx is None else self.ctx.rows(0, m))
         return self._views[m]
 
-    def _any_sampled(self) -> bool:
-        return any(r.request.temperature > 0 for r in self.rows)
+    def _mode(self) -> Mode:
+        return self._mode_of([r.request for r in self.rows], [len(r.output) for r in self.rows])
+
+    @staticmethod
+    def _mode_of(requests: Sequence[Request], produced: Sequence[int]) -> Mode:
+        """What choosing tokens for these requests needs (`produced`: new tokens each has so far)."""
+        mode = Mode.GREEDY
+        for request, done in zip(requests, produced):
+            if request.temperature > 0:
+                mode |= Mode.SAMPLED
+            if request.filtered:
+                mode |= Mode.FILTERED
+            if request.min_new_tokens > done:
+                mode |= Mode.BAN
+            if request.return_logprob:
+                mode |= Mode.LOGPROBS
+        return mode
+
+    def _set_sampling(self, start: int, requests: Sequence[Request]) -> None:
+        """Slots start.. take these requests' sampling state (next to temps and seeds, which prefill sets)."""
+        stop = start + len(requests)
+        dev = self.device
+        self.top_ks[start:stop] = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=dev)
+        self.top_ps[start:stop] = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=dev)
+        self.min_ps[start:stop] = torch.tensor([r.min_p for r in requests], dtype=torch.float32, device=dev)
+        self.min_until[start:stop] = torch.tensor([len(r.prompt_ids) + r.min_new_tokens for r in requests],
+                                                  dtype=torch.long, device=dev)
+        if self.banned is None and any(r.min_new_tokens > 0 for r in requests):
+            self.banned = torch.zeros(self.max_batch, self.engine.vocab_size, dtype=torch.bool, device=dev)
+        if self.banned is not None:
+            self.banned[start:stop] = False
+            for slot, r in enumerate(requests, start):
+                stops = set(r.stop_token_ids) | ({self.engine.eos_token_id} if not r.ignore_eos and
+                                                 self.engine.eos_token_id is not None else set())
+                if r.min_new_tokens > 0 and stops:
+                    self.banned[slot, sorted(stops)] = True
+
+    def _choose(self, logits: torch.Tensor, rows: slice | torch.Tensor, positions: torch.Tensor, mode: Mode) -> torch.Tensor:
+        """The target's token at every position of these slots' rows (a slice, or a device index), per `mode`."""
+
+        def take(buf: torch.Tensor) -> torch.Tensor:
+            return buf[rows] if isinstance(rows, slice) else buf.index_select(0, rows)
+
+        if mode & Mode.BAN:
+            assert self.banned is not None  # made by _set_sampling for the request that needs it
+            logits = ban_tokens(logits, take(self.banned), take(self.min_until), positions)
+        filters = Filters(take(self.top_ks), take(self.top_ps), take(self.min_ps)) if mode & Mode.FILTERED else None
+        return choose_tokens_no_sync(logits, take(self.temps), take(self.seeds), positions, bool(mode & Mode.SAMPLED),
+                                     filters)
 
     def _retire_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         done = {o.request_id for o in outputs if o.finished}
@@ -393,7 +456,8 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             self.cache.move_row(last, slot)
             if self.ctx is not None:
                 self.ctx.move_row(last, slot)
-            for buf in (self.bonus, self.temps, self.seeds):
+            for buf in (self.bonus, self.temps, self.seeds, self.top_ks, self.top_ps, self.min_ps, self.min_until,
+                        *([self.banned] if self.banned is not None else [])):
                 buf[slot] = buf[last]
             self.rows[slot] = self.rows[last]
         self.rows.pop()

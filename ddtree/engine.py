@@ -177,8 +177,14 @@ class Engine:
         ignore_eos: bool = False,
         max_batch: int | None = None,
         profile: bool | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        min_new_tokens: int = 0,
+        return_logprob: bool = False,
     ) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (a list of ids) or several (a list of lists) in one batch."""
+        """Generate for one prompt (a list of ids) or several (a list of lists) in one batch (the sampling
+        options are ddtree.request.Request's)."""
         spec = spec if spec is not None else SpecConfig()
         single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
         if single:
@@ -188,13 +194,16 @@ class Engine:
         longest = max(len(p) for p in prompts)
         batch = self._generate_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
                                      profile)
-        reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos)
+        reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos,
+                        top_p=top_p, top_k=top_k, min_p=min_p, min_new_tokens=min_new_tokens,
+                        return_logprob=return_logprob)
                 for i, p in enumerate(prompts)]
         for r in reqs:  # validate every request before any forward pass
             batch.validate(r)
         tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         accepts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         budgets: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        logprobs: dict[str, list[float]] = {r.request_id: [] for r in reqs}
         final: dict[str, StepOutput] = {}
         pending = list(reqs)
 
@@ -203,6 +212,7 @@ class Engine:
                 tokens[o.request_id].extend(o.new_token_ids)
                 accepts[o.request_id].extend(o.accept_lengths)
                 budgets[o.request_id].extend(o.budgets)
+                logprobs[o.request_id].extend(o.logprobs)
                 if o.finished:
                     final[o.request_id] = o
 
@@ -217,7 +227,7 @@ class Engine:
                 finish_reason=final[r.request_id].finish_reason or "length",
                 verify_steps=final[r.request_id].verify_steps,
                 accept_lengths=accepts[r.request_id], timings=dict(batch.timer.totals),
-                budgets=budgets[r.request_id],
+                budgets=budgets[r.request_id], logprobs=logprobs[r.request_id],
             )
             for r in reqs
         ]

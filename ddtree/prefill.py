@@ -6,7 +6,8 @@ small. A graphed batch prefills a lone short request by replaying a graph captur
 the target's own and the one sync hands it back.
 
 `Prefill` is a part of ddtree.decode.DecodeBatch: it reads the batch's engine, spec, slots (cache, ctx,
-bonus, temps, seeds), rows, timer and graphs.
+bonus, temps, seeds), rows, timer and graphs, and sets and reads the slots' sampling state through
+DecodeBatch's `_set_sampling`, `_mode_of` and `_choose`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ddtree.request import Request, Row, StepOutput, emit
-from ddtree.sampling import choose_tokens_no_sync
+from ddtree.sampling import Mode, token_logprobs
 
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 # A graphed batch prefills a lone request of up to this many tokens by replaying a graph (per power-of-two
@@ -90,9 +91,9 @@ class Prefill:
         self.timer.start("prefill")
         if (self.graphs is not None and len(requests) == 1
                 and len(requests[0].prompt_ids) <= min(GRAPHED_PREFILL_TOKENS, self.max_len)):
-            tokens = self._prefill_graphed(requests[0], seeds[0])
+            tokens, logprobs = self._prefill_graphed(requests[0], seeds[0])
         else:
-            tokens = self._prefill_eager(requests, seeds)
+            tokens, logprobs = self._prefill_eager(requests, seeds)
         self.timer.stop()
         outputs = []
         for i, request in enumerate(requests):
@@ -101,10 +102,11 @@ class Prefill:
                 stop_ids.add(eng.eos_token_id)
             row = Row(request, committed=len(request.prompt_ids), stop_ids=frozenset(stop_ids))
             self.rows.append(row)
-            outputs.append(emit(row, [tokens[i]], accept=None))
+            outputs.append(emit(row, [tokens[i]], accept=None,
+                                logprobs=[logprobs[i]] if logprobs is not None and request.return_logprob else None))
         return outputs
 
-    def _prefill_eager(self, requests: list[Request], seeds: list[int]) -> list[int]:
+    def _prefill_eager(self, requests: list[Request], seeds: list[int]) -> tuple[list[int], list[float] | None]:
         eng, k = self.engine, len(requests)
         start, stop = len(self.rows), len(self.rows) + k
         lengths = [len(r.prompt_ids) for r in requests]
@@ -114,6 +116,7 @@ class Prefill:
         real = torch.tensor(lengths, dtype=torch.long, device=self.device)  # [k]
         self.temps[start:stop] = torch.tensor([float(r.temperature) for r in requests], device=self.device)
         self.seeds[start:stop] = torch.tensor(seeds, dtype=torch.long, device=self.device)
+        self._set_sampling(start, requests)
         fresh = torch.ones(k, dtype=torch.bool, device=self.device)
         cache = self.cache.rows(start, stop)
         cache.reset(fresh)
@@ -128,12 +131,13 @@ class Prefill:
             ctx = self.ctx.rows(start, stop)
             ctx.reset(fresh)
             eng.drafter.append_context(ctx, taps, positions, real)  # counts = real: padding is skipped
-        first = choose_tokens_no_sync(logits, self.temps[start:stop], self.seeds[start:stop], real[:, None],
-                                      any(r.temperature > 0 for r in requests))[:, 0]
+        mode = self._mode_of(requests, [0] * k)
+        first = self._choose(logits, slice(start, stop), real[:, None], mode)[:, 0]
         self.bonus[start:stop] = first
-        return first.tolist()  # the one sync: hand the first tokens back
+        logprobs = token_logprobs(logits, first[:, None])[:, 0].tolist() if mode & Mode.LOGPROBS else None
+        return first.tolist(), logprobs  # the one sync: hand the first tokens back
 
-    def _prefill_graphed(self, request: Request, seed: int) -> list[int]:
+    def _prefill_graphed(self, request: Request, seed: int) -> tuple[list[int], list[float] | None]:
         """The eager prefill's work for one request, replayed from a graph captured per width bucket."""
         eng, slot, width = self.engine, len(self.rows), len(request.prompt_ids)
         if self._staging is None:
@@ -147,7 +151,8 @@ class Prefill:
         st.dst.fill_(slot)
         self.temps[slot] = float(request.temperature)
         self.seeds[slot] = seed
-        sampled = request.temperature > 0
+        self._set_sampling(slot, [request])
+        mode = self._mode_of([request], [0])
         taps_layers = eng.tap_layers if self.spec.speculative else None
 
         def prefill() -> torch.Tensor:
@@ -166,11 +171,11 @@ class Prefill:
                 self.ctx.k.index_copy_(1, st.dst, st.ctx.k)
                 self.ctx.v.index_copy_(1, st.dst, st.ctx.v)
                 self.ctx.total.index_copy_(0, st.dst, st.ctx.total)
-            first = choose_tokens_no_sync(logits, self.temps.index_select(0, st.dst), self.seeds.index_select(0, st.dst),
-                                          st.real[:, None], sampled)[:, 0]
+            first = self._choose(logits, st.dst, st.real[:, None], mode)[:, 0]
             self.bonus.index_copy_(0, st.dst, first)
-            return first
+            return torch.cat([first.double(), token_logprobs(logits, first[:, None])[:, 0].double()])
 
         assert self.graphs is not None
-        first = self.graphs.run(("prefill", bucket, sampled), prefill, self._graph_state())
-        return first.tolist()  # the one sync: hand the first token back
+        # the token and its log-prob in one tensor: one read (float64 holds every token id exactly)
+        first, logprob = self.graphs.run(("prefill", bucket, mode), prefill, self._graph_state()).tolist()
+        return [int(first)], [logprob] if mode & Mode.LOGPROBS else None  # the one sync: hand the first token back

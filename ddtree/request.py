@@ -23,6 +23,18 @@ class Request:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # at T > 0 the draw is from softmax(logits / T) truncated to the top_k tokens, the top_p mass and the tokens
+    # with p >= min_p * p_max (SGLang's order); -1 / 1.0 / 0.0 are off
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0  # stop tokens (EOS included) cannot be chosen before this many new tokens
+    return_logprob: bool = False  # StepOutput.logprobs: the target's log-prob of each committed token
+
+    @property
+    def filtered(self) -> bool:
+        """Whether sampling truncates the distribution (greedy never does: truncation keeps the argmax)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 @dataclass
@@ -36,6 +48,7 @@ class StepOutput:
     verify_steps: int  # verify forwards so far for this request
     accept_lengths: list[int] = field(default_factory=list)  # this round's accepted length(s)
     budgets: list[int] = field(default_factory=list)  # this round's tree size (non-root nodes verified)
+    logprobs: list[float] = field(default_factory=list)  # per new token, when the request asked (return_logprob)
 
 
 @dataclass
@@ -49,6 +62,7 @@ class GenerationResult:
     accept_lengths: list[int]
     timings: dict[str, float]
     budgets: list[int] = field(default_factory=list)  # tree size of every round (varies with budget auto)
+    logprobs: list[float] = field(default_factory=list)  # the target's log-prob of each token (return_logprob)
 
     @property
     def accept_histogram(self) -> list[int]:
@@ -84,6 +98,15 @@ def validate_request(request: Request, vocab_size: int, context: int) -> None:
     if request.temperature < 0:
         raise RequestError(f"temperature: {request.temperature} is out of range (allowed >= 0)",
                            field="temperature")
+    if not 0.0 < request.top_p <= 1.0:
+        raise RequestError(f"top_p: {request.top_p} is out of range (allowed (0, 1])", field="top_p")
+    if not (request.top_k == -1 or request.top_k >= 1):
+        raise RequestError(f"top_k: {request.top_k} is out of range (allowed -1 or >= 1)", field="top_k")
+    if not 0.0 <= request.min_p <= 1.0:
+        raise RequestError(f"min_p: {request.min_p} is out of range (allowed [0, 1])", field="min_p")
+    if not 0 <= request.min_new_tokens <= request.max_new_tokens:
+        raise RequestError(f"min_new_tokens: {request.min_new_tokens} is out of range (allowed 0..max_new_tokens)",
+                           field="min_new_tokens")
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"input_ids: token {bad[0]} is outside the vocabulary 0..{vocab_size - 1}",
@@ -97,8 +120,9 @@ def validate_request(request: Request, vocab_size: int, context: int) -> None:
         )
 
 
-def emit(row: Row, tokens: list[int], accept: int | None) -> StepOutput:
-    """Append a round's committed `tokens` to `row` up to a stop token or max_new_tokens; what the caller gets."""
+def emit(row: Row, tokens: list[int], accept: int | None, logprobs: list[float] | None = None) -> StepOutput:
+    """Append a round's committed `tokens` to `row` up to a stop token or max_new_tokens; what the caller gets
+    (`logprobs`, one per token, are cut with them)."""
     req = row.request
     room = req.max_new_tokens - len(row.output)
     kept, reason = [], None
@@ -113,4 +137,4 @@ def emit(row: Row, tokens: list[int], accept: int | None) -> StepOutput:
     if accept is not None:
         row.accept_lengths.append(accept)
     return StepOutput(req.request_id, kept, reason is not None, reason, row.verify_steps,
-                      [accept] if accept is not None else [])
+                      [accept] if accept is not None else [], logprobs=list(logprobs[: len(kept)]) if logprobs else [])

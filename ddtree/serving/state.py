@@ -63,9 +63,11 @@ class Progress:
     finish_reason: str | None = None
     first_token_latency: float | None = None
     accept_histogram: list[int] = field(default_factory=lambda: [0])  # [n]: rounds that accepted n tokens
+    output_logprobs: list[float] = field(default_factory=list)  # one per output id when the request asked
 
     def apply(self, out: StepOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
+        self.output_logprobs.extend(out.logprobs)
         if out.new_token_ids and self.first_token_latency is None:
             self.first_token_latency = time.perf_counter() - self.started
         self.verify_steps = max(self.verify_steps, out.verify_steps)

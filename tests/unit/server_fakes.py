@@ -30,6 +30,11 @@ def fake_token(prompt: Sequence[int], position: int, vocab: int, temperature: fl
     return _mix(tuple(prompt), position, salt) % vocab
 
 
+def fake_logprob(token: int) -> float:
+    """The fake's log-prob of a committed token (a pure function of it, so tests can predict it)."""
+    return -0.5 - (token % 7) / 4
+
+
 def fake_accept(prompt: Sequence[int], round_index: int, block: int) -> int:
     return 1 + _mix(tuple(prompt), "round", round_index) % block
 
@@ -130,7 +135,9 @@ class FakeBatch:
             row.accept_lengths.append(accept)
         if reason is not None:
             self.rows.pop(req.request_id, None)
-        return StepOutput(req.request_id, new, reason is not None, reason, row.rounds, [accept] if accept else [])
+        logprobs = [fake_logprob(t) for t in new] if req.return_logprob else []
+        return StepOutput(req.request_id, new, reason is not None, reason, row.rounds, [accept] if accept else [],
+                          logprobs=logprobs)
 
 
 class FakeEngine:

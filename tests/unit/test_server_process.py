@@ -102,7 +102,7 @@ def test_bad_requests_in_a_load_leave_the_others_intact(ddtree_server: RunningSe
     url = ddtree_server.url
     good = prompts(8, seed=1)
     single = [httpx.post(url + "/generate", json=body(p), timeout=60).json()["output_ids"] for p in good]
-    bad: list[Any] = [b"{oops", body([VOCAB + 5]), body([2] * 600), {"input_ids": [3], "sampling_params": {"top_p": 0.5}}]
+    bad: list[Any] = [b"{oops", body([VOCAB + 5]), body([2] * 600), {"input_ids": [3], "sampling_params": {"frequency_penalty": 0.5}}]
     payloads: list[Any] = [body(p) for p in good[:4]] + bad + [body(p) for p in good[4:]]
     responses = asyncio.run(post_all(url, payloads))
     codes = [r.status_code for r in responses]

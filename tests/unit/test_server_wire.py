@@ -19,7 +19,7 @@ import pytest
 from ddtree.engine import Request
 from ddtree.serving.chat import ChatTemplate, TemplateError, load_chat_template
 from ddtree.serving.stops import find_stop, held_back
-from tests.unit.server_fakes import FakeEngine, expected_output
+from tests.unit.server_fakes import FakeEngine, expected_output, fake_logprob
 from tests.unit.test_server_api import _word_codec, gen, make_app, parse_sse, run
 
 TEMPLATE = (
@@ -389,3 +389,45 @@ def test_fixture_target_has_a_chat_template() -> None:
     assert template is not None
     text = template.render([{"role": "system", "content": "Python."}, {"role": "user", "content": "def f():"}])
     assert text == "# Python.\ndef f():\n"
+
+
+# -- engine-side sampling options and log-probs ---------------------------------------------------------
+def test_sampling_options_reach_the_engine() -> None:
+    app, engine = make_app()
+    seen = recorded(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=gen([3], temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, min_new_tokens=2,
+                                               max_new_tokens=4))
+        assert r.status_code == 200, r.text
+        r = await c.post("/v1/completions", json={"prompt": [3], "max_tokens": 4, "top_p": 0.5, "top_k": 2, "min_p": 0.2,
+                                                  "min_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    run(app, body)
+    assert [(r.top_p, r.top_k, r.min_p, r.min_new_tokens) for r in seen] == [(0.9, 5, 0.1, 2), (0.5, 2, 0.2, 1)]
+
+
+def test_logprobs_on_every_route() -> None:
+    codec = _word_codec()
+    app, engine = make_app(codec=codec)
+    ids, _ = _greedy_words(engine, [2, 3], 6)
+    want = [fake_logprob(t) for t in ids]
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.post("/generate", json=dict(gen([2, 3], temperature=0, max_new_tokens=6, ignore_eos=True), return_logprob=True,
+                                                return_text_in_logprobs=True))
+        entries = r.json()["meta_info"]["output_token_logprobs"]
+        assert entries == [[lp, t, codec.decode([t])] for lp, t in zip(want, ids)]
+        plain = (await c.post("/generate", json=gen([2, 3], temperature=0, max_new_tokens=6, ignore_eos=True))).json()
+        assert "output_token_logprobs" not in plain["meta_info"]
+        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                  "logprobs": 0})
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] == want and lp["tokens"] == [codec.decode([t]) for t in ids]
+        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                  "logprobs": 0, "stream": True})
+        chunks = parse_sse(r.text)
+        assert chunks[-1]["choices"][0]["logprobs"]["token_logprobs"] == want
+
+    run(app, body)
