@@ -56,6 +56,9 @@ def _add_spec_options(p: argparse.ArgumentParser) -> None:
 def _add_backend_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend")
     g.add_argument("--backend", choices=BACKENDS, default="local")
+    g.add_argument("--server-dialect", metavar="NAME|PATH",
+                   help="how the server spells the knobs: ddtree, sglang-dflash, sglang-ddtree or a dialect YAML "
+                        "(default: sglang-ddtree for --backend sglang, else ddtree; see docs/deployments.md)")
     g.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for readiness (default 900; a large model needs minutes)")
     g.add_argument("--no-generate", action="store_true", help="skip the tiny /generate check")
@@ -117,22 +120,25 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig:
 
 def backend_from_args(args: argparse.Namespace, log: Callable[[str], None]) -> Any:
     """The backend the flags describe; ConfigError naming the missing option."""
+    from ddtree.service.dialects import load_dialect
+
+    dialect = load_dialect(args.server_dialect) if args.server_dialect else None
     if args.backend == "url":
         if not args.url:
             raise ConfigError("--url is required with --backend url")
         from ddtree.service.url import UrlBackend
 
-        return UrlBackend(args.url)
+        return UrlBackend(args.url, dialect=dialect)
     if args.backend == "systemd":
         if not args.unit:
             raise ConfigError("--unit is required with --backend systemd")
         from ddtree.service.systemd import SystemdBackend
 
-        return SystemdBackend(args.ssh_host, args.unit, base_url=args.url, log=log)
+        return SystemdBackend(args.ssh_host, args.unit, base_url=args.url, log=log, dialect=dialect)
     if args.backend == "fake":
         from ddtree.service.fake import FakeBackend
 
-        return FakeBackend(host=args.host, port=args.port, log_dir=args.log_dir, log=log)
+        return FakeBackend(host=args.host, port=args.port, log_dir=args.log_dir, log=log, dialect=dialect)
     if not args.model_path:
         raise ConfigError(f"--model-path is required with --backend {args.backend}")
     from ddtree.service.local import LocalBackend
@@ -141,7 +147,7 @@ def backend_from_args(args: argparse.Namespace, log: Callable[[str], None]) -> A
     cls = SGLangBackend if args.backend == "sglang" else LocalBackend
     return cls(args.model_path, args.draft_model_path, host=args.host, port=args.port,
                device=args.device, max_running_requests=args.max_running_requests,
-               extra_args=args.extra_arg, log_dir=args.log_dir, log=log)
+               extra_args=args.extra_arg, log_dir=args.log_dir, log=log, dialect=dialect)
 
 
 # -- service actions -------------------------------------------------------------------------------

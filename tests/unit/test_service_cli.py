@@ -39,6 +39,8 @@ def running(tmp_path) -> Iterator[FakeBackend]:
     pytest.param(["service"], "the following arguments are required", id="no-action"),
     pytest.param(["service", "verify", "--algorithm", "EAGLE"], "invalid choice", id="bad-algorithm"),
     pytest.param([], "the following arguments are required", id="no-command"),
+    pytest.param(["service", "verify", "--backend", "url", "--url", "http://x:1", "--server-dialect", "vllm"],
+                 "server dialect 'vllm': not a built-in", id="unknown-dialect"),
 ])
 def test_usage_errors_exit_2_with_a_message(argv: list[str], message: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,6 +67,22 @@ def test_verify_prints_each_check_and_exits_0(running: FakeBackend, capsys: pyte
     out = capsys.readouterr().out
     assert code == 0, out
     assert "settings (server_info): ok" in out and "generation: ok" in out and "OK: b8-k4-w2048-bs8" in out
+
+
+def test_verify_through_a_dialect_reads_its_server_info_keys(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddtree.service.dialects import load_dialect
+
+    fork = FakeBackend(log_dir=tmp_path, stop_timeout_s=2, dialect=load_dialect("sglang-ddtree"))
+    fork.start(SpecConfig(budget=12))
+    try:
+        wait_ready(fork, timeout_s=20, poll_s=0.05)
+        argv = ["service", "verify", "--budget", "12", "--backend", "url", "--url", fork.base_url]
+        assert cli.main([*argv, "--server-dialect", "sglang-ddtree"]) == 0, capsys.readouterr().out
+        assert "budget 12 == 12" in capsys.readouterr().out
+        assert cli.main(argv) == 1  # read as ddtree's server: no speculative_ddtree_topk in /server_info
+        assert "topk 4 != '<missing>'" in capsys.readouterr().out
+    finally:
+        fork.stop()
 
 
 def test_verify_mismatch_exits_1(running: FakeBackend, capsys: pytest.CaptureFixture[str]) -> None:
