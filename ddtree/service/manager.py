@@ -12,7 +12,7 @@ next ensure() is redeployed (once per config: a second death, like a failed star
 config's remaining cells at once).
 
 Failing fast, because a real start can take many minutes: a config whose start failed gets
-`start_retries` more attempts (0 or 1), then is not started again; every later ensure() of it
+`start_retries` more attempts (0, the default, or 1), then is not started again; every later ensure() of it
 raises the same error with the same log tail. When two different configs in a row fail to start
 with the same error (the same first line and the same last log line, numbers aside: a missing
 module, a bad flag, no GPU) the sweep is aborted with SweepAborted: no other config could start.
@@ -68,7 +68,7 @@ class ServiceManager:
         poll_s: float = 0.5,
         verify_generation: bool = True,
         restore_on_exit: bool = True,
-        start_retries: int = 1,
+        start_retries: int = 0,
     ) -> None:
         if startup_timeout_s <= 0:
             raise ConfigError(f"startup_timeout_s: {startup_timeout_s} must be > 0 seconds")

@@ -51,7 +51,7 @@ HELP = {
     "tokenize": "how prompt tokens are counted: local (the target's tokenizer.json), service (the service's /tokenize) "
                 "or auto (local when --model-path has a tokenizer.json, else service; the default)",
     "ssh_config": "ssh config file for --ssh-host (ssh -F PATH: port, identity, known hosts)",
-    "start_retries": "extra start attempts for a config whose start failed, 0 or 1 (default 1)",
+    "start_retries": "extra start attempts for a config whose start failed, 0 or 1 (default 0: one start per config)",
 }
 SUITE_INI = "ddtree_suite"
 SUITE_INI_HELP = "true: this project runs the ddtree suite (its hooks act even without a ddtree option)"
@@ -141,7 +141,7 @@ class SuiteOptions:
     dialect: Dialect = field(default_factory=default_dialect)
     tokenize: str = "auto"
     ssh_config: str | None = None
-    start_retries: int = 1
+    start_retries: int = 0
 
 
 def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
@@ -291,7 +291,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         dialect=dialect,
         tokenize=tokenize,
         ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,
-        start_retries=1 if retries is None else int(retries),
+        start_retries=0 if retries is None else int(retries),
     )
 
 

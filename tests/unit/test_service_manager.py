@@ -67,6 +67,7 @@ def test_crashed_service_is_redeployed_at_next_ensure(make_manager: MakeManager)
 
 def test_a_failed_start_is_retried_once_then_the_config_is_not_started_again(make_manager: MakeManager) -> None:
     manager = make_manager(DDTREE_FAKE_CRASH_AFTER_S=0.2, DDTREE_FAKE_LOAD_S=30)
+    manager.start_retries = 1
     with pytest.raises(ServiceStartError, match=rf"{A.id}: start failed \(2 attempts; not started again\): .*died"):
         manager.ensure(A)
     assert manager.current is None and manager.deploy_count == 2

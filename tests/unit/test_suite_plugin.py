@@ -138,9 +138,9 @@ def test_a_dying_service_is_reported_at_once_with_its_log_tail(suite_dir: pytest
     started = time.monotonic()
     result = run(suite_dir, "-m", "perf", "-k", "ar-ctx8-c1", "--startup-timeout", "120")
     elapsed = time.monotonic() - started
-    result.assert_outcomes(errors=2, deselected=3)  # the cell's setup (two attempts), then the restore at teardown
+    result.assert_outcomes(errors=2, deselected=3)  # the cell's setup (one attempt), then the restore at teardown
     result.stdout.fnmatch_lines(["*ERROR at setup of test_sweep[[]ar-ctx8-c1[]]*",
-                                 "*ServiceStartError: ar: start failed (2 attempts; not started again): fake service "
+                                 "*ServiceStartError: ar: start failed (1 attempt; not started again): fake service "
                                  "* died while starting*", "*simulated crash*",
                                  "*ERROR at teardown of test_sweep[[]ar-ctx8-c1[]]*", "restore: default b8-k4-w2048-bs8 NOT restored:*"])
     assert elapsed < 30, f"a dead service took {elapsed:.1f} s to report (startup timeout was 120 s)"
@@ -182,12 +182,13 @@ def test_killing_the_service_mid_sweep_fails_those_cells_and_restores_the_defaul
     assert "ar__ctx8__c1.json" not in cells and len(cells) == 3  # a failed cell is an error, not a number
 
 
-def test_a_failing_start_costs_one_attempt_per_config_plus_one_retry(suite_dir: pytest.Pytester,
+def test_a_failing_start_costs_one_attempt_per_config_or_two_with_a_retry(suite_dir: pytest.Pytester,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DDTREE_FAKE_START_ERROR",
                        "--speculative-ddtree-budget 4::ModuleNotFoundError: No module named 'flash_attn'")
-    for retries, attempts in (("1", 2), ("0", 1)):
-        result = run(suite_dir, "-m", "perf", "--start-retries", retries, "--results-dir", f"results{retries}")
+    for retries, attempts in (("1", 2), (None, 1)):  # the default: no retry
+        extra = ["--start-retries", retries] if retries else []
+        result = run(suite_dir, "-m", "perf", *extra, "--results-dir", f"results{retries}")
         result.assert_outcomes(passed=2, errors=2)  # both b4 cells error; ar's two pass
         result.stdout.fnmatch_lines([
             f"E   *ServiceStartError: b4-k4-w2048-bs8: start failed ({attempts} attempt*; not started again): "
@@ -204,7 +205,7 @@ def test_the_same_start_error_on_two_configs_in_a_row_aborts_the_sweep_and_still
     monkeypatch.setenv("DDTREE_FAKE_START_ERROR", "--speculative-algorithm DDTREE::ImportError: libcuda.so.1: "
                                                   "cannot open shared object file")
     write_grid(suite_dir, {**GRID, "configs": [{"algorithm": "NONE"}, {"budget": 4}, {"budget": 16}, {"budget": 32}]})
-    result = run(suite_dir, "-m", "perf", "--start-retries", "0")
+    result = run(suite_dir, "-m", "perf")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.assert_outcomes(passed=2, errors=4)  # ar x2; b4 x2 (one start); b16's first, which aborts; the restore
     result.stdout.fnmatch_lines([
