@@ -84,7 +84,10 @@ def filter_logits(scaled: torch.Tensor, filters: Filters) -> torch.Tensor:
     top_k = filters.top_k.to(scaled.device)[:, None, None]
     top_p = filters.top_p.to(scaled.device, torch.float32)[:, None, None]
     min_p = filters.min_p.to(scaled.device, torch.float32)[:, None, None]
-    keep = ((top_k <= 0) | (ranks < top_k)) & (probs.cumsum(dim=-1) - probs < top_p) & (probs >= min_p * probs[..., :1])
+    # top_p = 1 keeps everything exactly (a cumulative sum can round past 1 before the smallest tokens), so a
+    # row's draw never depends on whether another row in the batch truncates
+    keep = (((top_k <= 0) | (ranks < top_k)) & ((top_p >= 1) | (probs.cumsum(dim=-1) - probs < top_p))
+            & (probs >= min_p * probs[..., :1]))
     keep[..., 0] = True
     kept = torch.empty_like(keep).scatter_(-1, order, keep)
     return scaled.masked_fill(~kept, float("-inf"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.sampling import Filters, ban_tokens, choose_tokens_no_sync, gumbel_noise, token_logprobs
+from ddtree.sampling import Filters, ban_tokens, choose_tokens_no_sync, filter_logits, gumbel_noise, token_logprobs
 
 
 def test_noise_depends_only_on_seed_position_and_vocab_id() -> None:
@@ -102,3 +102,17 @@ def test_token_logprobs_are_the_log_softmax_of_the_chosen_token() -> None:
     tokens = torch.randint(0, 30, (2, 4), generator=torch.Generator().manual_seed(3))
     want = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     assert torch.allclose(token_logprobs(logits, tokens), want, atol=1e-6)
+
+
+def test_rows_without_filters_are_untouched_by_a_filtered_neighbour() -> None:
+    """A row whose options are off keeps every token beside a truncating row, even where the float32 cumulative
+    sum rounds past 1 before the smallest probabilities (top_p = 1 must not cut them)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits = torch.randn(4096, generator=g) * 3  # here the float32 cumulative sum ends at 1 + 2e-7
+    sorted_probs = logits.sort(descending=True)[0].softmax(-1)
+    assert (sorted_probs.cumsum(-1) - sorted_probs >= 1).any(), "the case this test is about did not arise"
+    rows = logits.expand(2, 1, 4096).contiguous()
+    out = filter_logits(rows, Filters(torch.tensor([-1, 2]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.1])))
+    assert torch.equal(out[0], rows[0])
+    assert torch.isfinite(out[1]).sum() <= 2
