@@ -30,7 +30,6 @@ from typing import Protocol
 from ddtree.cuda_graphs import ROW_BUCKETS
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
-from ddtree.prefill import GRAPHED_PREFILL_TOKENS
 from ddtree.serving.metrics import ServerMetrics
 
 log = logging.getLogger("ddtree.server")
@@ -250,19 +249,10 @@ class Scheduler:
         """Prefill the admitted requests together where the batch can (one padded forward, not one each).
 
         Each request is validated on its own first, so a bad one fails alone; only the valid ones are
-        batched. A batch without add_many/validate (e.g. a test fake) gets them one at a time, and so does
-        a graphed batch for every prompt a prefill graph takes: there a lone prefill is one replay, a
-        batched one eager (~150 launches, ~8 ms of host time on the H200's host, while every running
-        request waits), and HTTP arrivals come a few at a time (docs/perf.md, "HTTP server").
+        batched. A batch without add_many/validate (e.g. a test fake) gets them one at a time.
         """
         add_many = getattr(self.batch, "add_many", None)
         validate = getattr(self.batch, "validate", None)
-        if getattr(self.batch, "graphs", None) is not None:
-            width = min(GRAPHED_PREFILL_TOKENS, getattr(self.batch, "max_len", 0))
-            alone = [t for t in tickets if len(t.request.prompt_ids) <= width]
-            for ticket in alone:
-                self._admit(ticket)
-            tickets = [t for t in tickets if len(t.request.prompt_ids) > width]
         if len(tickets) < 2 or add_many is None or validate is None:
             for ticket in tickets:
                 self._admit(ticket)

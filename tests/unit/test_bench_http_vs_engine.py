@@ -79,11 +79,9 @@ class _GraphedBatch(hve.EmulatedBatch):
         super().__init__(AR, 32, 8192, 0.0, 0.0, 1)
         self.rows_per_step: list[int] = []
         self.prompt_lengths: list[int] = []
-        self.groups: list[int] = []  # requests per prefill call
 
     def add_many(self, requests):  # type: ignore[no-untyped-def]
         self.prompt_lengths += [len(r.prompt_ids) for r in requests]
-        self.groups.append(len(requests))
         return super().add_many(requests)
 
     def step(self):  # type: ignore[no-untyped-def]
@@ -103,32 +101,6 @@ def test_warm_up_meets_every_row_bucket_and_prefill_width_before_serving() -> No
     none = Scheduler(plain, max_running=4, warm_token=5, switch_interval_s=None)
     none._warm_up()  # no graphs: nothing to warm
     assert none.warm_seconds is None
-
-
-def test_graphed_batch_admits_arrivals_one_by_one_where_a_prefill_graph_serves() -> None:
-    """A lone prefill replays a graph; a group's is eager: queued prompts a graph takes go alone, longer
-    ones still share a forward."""
-    batch = _GraphedBatch()
-    got: dict[str, int] = {}
-    done = threading.Event()
-
-    def sink(ev: StepOutput | Failure) -> None:
-        assert isinstance(ev, StepOutput)
-        got[ev.request_id] = got.get(ev.request_id, 0) + len(ev.new_token_ids)
-        if len(got) == 5 and all(n == 3 for n in got.values()):
-            done.set()
-
-    sched = Scheduler(batch, max_running=8, switch_interval_s=None)
-    for i in range(3):
-        sched.submit(Request(f"short{i}", [1 + i] * 10, 3, ignore_eos=True), sink)
-    for i in range(2):
-        sched.submit(Request(f"long{i}", [1 + i] * 5000, 3, ignore_eos=True), sink)
-    sched.start()
-    try:
-        assert done.wait(10)
-    finally:
-        sched.stop()
-    assert batch.groups == [1, 1, 1, 2]
 
 
 def _out(rid: str, tokens: list[int], finished: bool = False) -> StepOutput:
