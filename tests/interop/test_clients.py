@@ -100,6 +100,19 @@ def test_openai_chat_and_chat_stream(client: Any, server: RunningServer) -> None
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
+def test_openai_logprobs_are_the_targets(client: Any, server: RunningServer) -> None:
+    body = {"text": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    native = httpx.post(server.url + "/generate", json=body, timeout=120).json()["meta_info"]["output_token_logprobs"]
+    want = [entry[0] for entry in native]
+    out = client.completions.create(model="ddtree-fixture", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-5)
+    assert all(v <= 0 for v in want) and len(want) == 12
+    chat = client.chat.completions.create(model="ddtree-fixture", messages=[{"role": "user", "content": PROMPT.rstrip()}],
+                                          max_tokens=12, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == pytest.approx(want, abs=1e-5)  # the same prompt
+
+
 def test_openai_bad_input_names_the_field_and_the_server_keeps_serving(client: Any) -> None:
     openai = need("openai")
     with pytest.raises(openai.BadRequestError) as caught:
