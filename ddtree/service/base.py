@@ -113,6 +113,9 @@ class VerifyReport:
         )
         out.append(f"settings ({self.details.get('settings_source', 'server')}): "
                    f"{_word(self.settings_ok)} [{compared}]")
+        unchecked = [k for k in self.details.get("not_in_server_info", []) if k.split()[0] not in settings]
+        if unchecked:
+            out.append(f"not checked (the server does not report them): {', '.join(unchecked)}")
         line = self.details.get("init_line")
         log_detail = self.details.get("log_error") or (line if line else "no init line")
         out.append(f"init log line of this start: {_word(self.log_ok)} [{log_detail}]")

@@ -74,6 +74,17 @@ def test_sglang_ddtree_top_k_travels_in_the_environment_and_is_checked_there(
     assert wrong.log_ok, "the fork's init lines carry no top-k: only the environment tells"
 
 
+def test_a_knob_only_the_environment_carries_is_reported_unchecked_where_it_cannot_be_read(
+        started: list[FakeBackend], tmp_path: Path) -> None:
+    from ddtree.service.url import UrlBackend
+
+    backend = _start(started, tmp_path, "sglang-ddtree", TREE)
+    report = verify(UrlBackend(backend.base_url, dialect=load_dialect("sglang-ddtree")), TREE, generate=False)
+    assert report.ok and "topk" not in report.details["settings"]
+    assert "not checked (the server does not report them): topk (environment variable SGLANG_DDTREE_MAX_TOPK)" \
+        in report.lines()
+
+
 def test_a_budget_the_fork_logs_differently_fails_the_init_line(started: list[FakeBackend], tmp_path: Path) -> None:
     backend = _start(started, tmp_path, "sglang-ddtree", TREE)
     report = verify(backend, SpecConfig(budget=8, topk=3), generate=False)
