@@ -40,6 +40,7 @@ from ddtree.bench.metrics import percentile
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, RequestError
+from ddtree.service.local import LocalBackend
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 MODES = ("engine", "stream", "plain")  # in process, streaming client, non-streaming client
@@ -226,11 +227,11 @@ def _median(values: list[float | None]) -> float | None:
 
 def cell_row(config_id: str, context: int, concurrency: int, repeats: dict[str, list[dict[str, Any]]],
              mismatched: dict[str, int]) -> dict[str, Any]:
-    """Medians over the repeats per mode, and HTTP / in process of the medians' tok/s."""
+    """Medians over the repeats per mode (failed: the sum), and HTTP / in process of the medians' tok/s."""
     row: dict[str, Any] = {"config": config_id, "context": context, "concurrency": concurrency}
     for mode, reps in repeats.items():
         row[mode] = {key: _median([r[key] for r in reps]) for key in reps[0]} | {
-            "tok_per_s_repeats": [r["tok_per_s"] for r in reps]}
+            "tok_per_s_repeats": [r["tok_per_s"] for r in reps], "failed": sum(r["failed"] for r in reps)}
     engine_tps = row["engine"]["tok_per_s"]
     for mode in ("stream", "plain"):
         if mode in row and engine_tps:
@@ -287,31 +288,27 @@ def serve_emulated(argv: list[str]) -> int:
     return 0
 
 
-class _EmulatedBackend:
+class EmulatedBackend(LocalBackend):
     """The suite's local backend, launching this module's serve-emulated instead of ddtree.server."""
 
-    def __new__(cls, round_ms: float, prefill_ms: float, tokens_per_round: int, **kwargs: Any) -> Any:
-        from ddtree.service.local import LocalBackend
+    module = "ddtree.bench.http_vs_engine"
 
-        class Backend(LocalBackend):
-            module = "ddtree.bench.http_vs_engine"
+    def __init__(self, round_ms: float, prefill_ms: float, tokens_per_round: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.emulation = ["--round-ms", str(round_ms), "--prefill-ms", str(prefill_ms),
+                          "--tokens-per-round", str(tokens_per_round)]
 
-            def command(self, spec: SpecConfig) -> list[str]:
-                cmd = super().command(spec)
-                return cmd[:3] + ["serve-emulated", "--round-ms", str(round_ms), "--prefill-ms", str(prefill_ms),
-                                  "--tokens-per-round", str(tokens_per_round)] + cmd[3:]
-
-        return Backend(**kwargs)
+    def command(self, spec: SpecConfig) -> list[str]:
+        cmd = super().command(spec)  # [python, -m, module, server flags...]
+        return cmd[:3] + ["serve-emulated", *self.emulation] + cmd[3:]
 
 
-def _backend(args: argparse.Namespace, log_dir: Path) -> Any:
-    common = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
-                  max_running_requests=args.max_running_requests, log_dir=log_dir,
-                  extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
+def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
+    common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
+                                  max_running_requests=args.max_running_requests, log_dir=log_dir,
+                                  extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
     if args.engine == "emulated":
-        return _EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, **common)
-    from ddtree.service.local import LocalBackend
-
+        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, **common)
     return LocalBackend(**common)
 
 
@@ -371,7 +368,6 @@ def _load_engine(args: argparse.Namespace) -> Any:
         assert codec is not None  # _check
         return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
                               args.tokens_per_round)
-    import torch
 
     from ddtree.bench.engine_bench import DTYPES
     from ddtree.engine import Engine
@@ -462,8 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f"{r['config']} ctx{r['context']} c{r['concurrency']}" for r in rows if any(r["mismatched"].values())]
     if bad:
         print(f"outputs differ between the engine and HTTP at T=0: {', '.join(bad)}", file=sys.stderr)
-        return 1
-    return 0
+    failed = [f"{r['config']} ctx{r['context']} c{r['concurrency']} {m}" for r in rows for m in MODES
+              if m in r and r[m]["failed"]]
+    if failed:
+        print(f"requests failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

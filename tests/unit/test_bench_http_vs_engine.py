@@ -178,6 +178,8 @@ def test_cell_row_ratio_and_table() -> None:
     row = hve.cell_row("ar", 1024, 32, repeats, {"engine": 0, "stream": 0})
     assert row["engine"]["tok_per_s"] == 110.0 and row["stream"]["ratio"] == pytest.approx(0.8)
     assert row["stream"]["p90_over_median_e2e"] == pytest.approx(1.2)
+    failing = hve.cell_row("ar", 60, 1, {"engine": [rep] * 3, "stream": [rep, dict(rep, failed=2), rep]}, {})
+    assert failing["stream"]["failed"] == 2  # one bad repeat is not outvoted by the median
     table = hve.format_rows([row])
     assert "0.800" in table and table.count("\n") == 2
 
