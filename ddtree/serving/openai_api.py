@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ddtree.errors import RequestError
 from ddtree.serving.chat import TemplateError, load_chat_template
-from ddtree.serving.replies import SSE_DONE, EventStream, Reply, collect, error_chunk, follow, sse, submit_all
+from ddtree.serving.replies import SSE_DONE, EventStream, Reply, collect, error_chunk, follow_all, sse, submit_all
 from ddtree.serving.state import ServerState
 from ddtree.serving.validation import (
     ENGINE_FIELDS,
@@ -168,8 +168,6 @@ def _check_logprobs(requested: bool, field: str) -> None:
 
 def _jobs(body: _Sampling, prompts: list[list[int]], max_new: int | None, limits: Limits, prefix: str,
           logprobs: bool, names: dict[str, str]) -> list[Job]:
-    if body.stream and (len(prompts) > 1 or body.n > 1):
-        raise RequestError("stream: streaming takes one prompt with n = 1", field="stream")
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise RequestError(f"rid: {len(rids)} rids for {len(prompts)} prompts", field="rid")
@@ -319,36 +317,46 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             if kind == "text_completion":
                 extra["output_ids"] = list(replies[0].ids)
             return JSONResponse(dict(base, choices=choices, usage=_sum_usage(replies), sglext=extra))
-        stream, reply = pairs[0]
-        updates = await follow(state, stream, reply)
+        updates = await follow_all(state, pairs)
+        replies = [reply for _, reply in pairs]
 
         async def chunks() -> AsyncIterator[str]:
             chunk_kind = kind if kind == "text_completion" else "chat.completion.chunk"
             head = dict(base, object=chunk_kind)
-            sent = 0
+            sent = dict.fromkeys(range(len(replies)), 0)  # text sent so far, per choice
+            ended: set[int] = set()  # choices whose last chunk is out (an interleaved stream may repeat a reply)
             try:
                 if chunk_kind != "text_completion":
-                    yield sse(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}], usage=None))
+                    for r in replies:
+                        yield sse(dict(head, choices=[{"index": index(r, body.n), "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}], usage=None))
                 async for r in updates:
+                    i = index(r, body.n)
+                    if i in ended:
+                        continue
                     text = r.stream_text()
-                    delta, sent = text[sent:], len(text)
+                    delta, sent[i] = text[sent[i]:], len(text)
                     if not delta and not r.finished:
                         continue
                     c = choice(r, body, final=r.finished, delta=delta)
-                    # the last chunk carries usage as well: every final answer has it
+                    # a choice's last chunk carries its usage as well: every final answer has it
                     show_usage = options.continuous_usage_stats or r.finished
                     chunk = dict(head, choices=[c], usage=r.usage() if show_usage else None)
                     if r.finished:
                         chunk["sglext"] = {"spec_tokens_details": _spec_details(r)}
+                        ended.add(i)
                     yield sse(chunk)
                 if options.include_usage:
-                    yield sse(dict(head, choices=[], usage=reply.usage()))
+                    yield sse(dict(head, choices=[], usage=_sum_usage(replies)))
             except RequestError as err:
                 yield error_chunk(err)
             yield SSE_DONE
 
-        return EventStream(chunks(), lambda: state.cancel(stream))
+        def close() -> None:
+            for stream, _ in pairs:
+                state.cancel(stream)
+
+        return EventStream(chunks(), close)
 
     def choice(r: Reply, body: _Sampling, final: bool, delta: str | None = None) -> dict[str, Any]:
         chat = isinstance(body, ChatBody)

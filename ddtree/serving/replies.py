@@ -9,6 +9,7 @@ all of it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -202,3 +203,49 @@ async def _follow(state: ServerState, stream: RequestStream, reply: Reply, updat
         if reply.stopped:
             state.cancel(stream)
             return
+
+
+async def follow_all(state: ServerState, pairs: list[tuple[RequestStream, Reply]]) -> AsyncIterator[Reply]:
+    """Several replies' updates, interleaved as their rounds arrive (a stream of n choices, or of several prompts).
+
+    Every first round is awaited before the first chunk, as in `follow`, so a refused prefill is still a 4xx.
+    """
+    followed: list[AsyncIterator[Reply]] = []
+    try:
+        for stream, reply in pairs:
+            followed.append(await follow(state, stream, reply))
+    except BaseException:
+        for stream, _ in pairs:
+            state.cancel(stream)
+        raise
+    if len(followed) == 1:
+        return followed[0]
+    return _interleave(followed)
+
+
+async def _interleave(iterators: list[AsyncIterator[Reply]]) -> AsyncIterator[Reply]:
+    queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
+
+    async def pump(it: AsyncIterator[Reply]) -> None:
+        try:
+            async for reply in it:
+                await queue.put(reply)
+        except Exception as err:  # a failed request: the stream reports it (an error chunk)
+            await queue.put(err)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(it)) for it in iterators]
+    left = len(tasks)
+    try:
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -306,7 +306,6 @@ def test_completions_n_and_prompt_lists() -> None:
         pytest.param({"presence_penalty": 1.0}, "presence_penalty", id="presence-penalty"),
         pytest.param({"stream_options": {"include_usage": True}}, "stream_options", id="stream-options-without-stream"),
         pytest.param({"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus", id="stream-options-unknown"),
-        pytest.param({"stream": True, "n": 2}, "stream", id="stream-n"),
     ],
 )
 def test_completions_unsupported_values_are_400s(payload: dict[str, Any], field: str) -> None:
@@ -316,6 +315,31 @@ def test_completions_unsupported_values_are_400s(payload: dict[str, Any], field:
         r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, **payload})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["field"] == field
+
+    run(app, body)
+
+
+def test_completions_stream_interleaves_n_choices_of_several_prompts() -> None:
+    codec = _word_codec()
+    engine = FakeEngine()
+    engine.step_delay = 0.002
+    app, _ = make_app(engine, codec=codec)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        payload = {"prompt": ["the cat", "a dog"], "n": 2, "max_tokens": 20, "temperature": 0.9, "seed": 4, "ignore_eos": True}
+        whole = (await c.post("/v1/completions", json=payload)).json()
+        r = await c.post("/v1/completions", json=dict(payload, stream=True, stream_options={"include_usage": True}))
+        chunks = parse_sse(r.text)
+        texts: dict[int, str] = {}
+        finals = []
+        for ch in chunks[:-1]:
+            (choice,) = ch["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"] is not None:
+                finals.append(choice["index"])
+        assert sorted(finals) == [0, 1, 2, 3], "each choice ends exactly once"
+        assert texts == {ch["index"]: ch["text"] for ch in whole["choices"]}
+        assert chunks[-1]["usage"] == whole["usage"]
 
     run(app, body)
 
