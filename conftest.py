@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-pytest_plugins = ["pytester"]  # the suite's own tests run inner pytests
+# The suite is the installed pytest11 plugin `ddtree` (loaded before this file). In a checkout that was
+# not pip-installed this loads it instead (then a `--flag PATH` option must follow a test path or be
+# written --flag=PATH: pytest reads paths before it reads this file).
+_SUITE = [] if "ddtree.suite.plugin" in sys.modules else ["ddtree.suite.plugin"]
+pytest_plugins = ["pytester", *_SUITE]
 
 MARKERS = {
     "perf": "the sweep: throughput/latency per grid cell and floors (not part of a bare `pytest` unless selected)",
