@@ -16,15 +16,6 @@ import httpx
 
 from ddtree.config import SpecConfig
 
-# Map SpecConfig fields to the resolved-argument keys of /server_info (SGLang's names).
-SERVER_INFO_KEYS: dict[str, str] = {
-    "algorithm": "speculative_algorithm",
-    "budget": "speculative_ddtree_budget",
-    "topk": "speculative_ddtree_topk",
-    "block_size": "speculative_num_draft_tokens",
-    "draft_window": "speculative_draft_window_size",
-}
-
 
 @runtime_checkable
 class ServiceBackend(Protocol):

@@ -1,9 +1,11 @@
 """verify: check a running service against the SpecConfig it was deployed with, three ways.
 
 1. settings: what the service reports (/server_info, or the unit file for systemd) equals the spec;
-2. log: the init line of the *current* start (backend.log_since_start()) parses to the spec's
-   values; ddtree's "Initialized DDTree worker. block_size=8, tree_budget=8, ..." and SGLang's
-   "Initialized DFLASH draft runner. ... block_size=8, draft_window_size=2048, ..." both count;
+2. log: the init lines of the *current* start (backend.log_since_start()) parse to the spec's
+   values; which lines and keys, and which /server_info keys, come from the backend's server
+   dialect (ddtree/service/dialects.py): ddtree's "Initialized DDTree worker. block_size=8,
+   tree_budget=8, ...", SGLang's "Initialized DFLASH draft runner. ... block_size=8, ...", the
+   PR 29907 fork's DFLASH line and then "Initialized DDTree worker. ... max_tree_nodes=9";
 3. generation: one tiny greedy /generate shows spec_verify_ct > 0 when speculation is on.
 
 The first two are independent on purpose: a stale /server_info or a log left over from an
@@ -23,17 +25,11 @@ from ddtree.service.base import ServiceBackend, VerifyReport, http_client
 from ddtree.service.dialects import Dialect, default_dialect
 
 MISSING = "<missing>"
-_INIT_RE = re.compile(r"Initialized (DDTree worker|DFLASH draft runner|AR worker)\.(.*)$", re.M)
 _KV_RE = re.compile(r"(\w+)=([^,\s]+)")
 _READY_LINE = "The server is fired up and ready to roll!"
 
 
 # -- 1. settings ---------------------------------------------------------------------------------
-def expected_settings(spec: SpecConfig, dialect: Dialect | None = None) -> dict[str, Any]:
-    """The SpecConfig knobs a service must show for `spec` (normalised values)."""
-    return (dialect or default_dialect()).expected(spec)
-
-
 def normalise(field: str, value: Any) -> Any:
     """Bring a reported value to SpecConfig's form: window 0/None/"none" -> None, "8" -> 8, "AUTO" -> "auto"."""
     if field == "algorithm":
@@ -97,15 +93,6 @@ def find_line(log: str, prefix: str) -> tuple[str, dict[str, str]] | None:
     rest = log[at + len(prefix): None if end < 0 else end]
     start = log.rfind("\n", 0, at) + 1
     return log[start: None if end < 0 else end].strip(), dict(_KV_RE.findall(rest))
-
-
-def parse_init_line(log: str) -> tuple[str, str, dict[str, str]] | None:
-    """(kind, line, key=value pairs) of the last init line of any built-in shape in `log`, or None."""
-    matches = list(_INIT_RE.finditer(log))
-    if not matches:
-        return None
-    m = matches[-1]
-    return m.group(1), m.group(0).strip(), dict(_KV_RE.findall(m.group(2)))
 
 
 def compare_init_line(spec: SpecConfig, log: str, dialect: Dialect | None = None,
