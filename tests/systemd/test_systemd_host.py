@@ -33,6 +33,7 @@ import yaml
 from ddtree.config import SpecConfig
 from tests.systemd.host import (
     SystemdHost,
+    cgroup2_mount,
     default_ro_paths,
     find_tool,
     missing_prerequisites,
@@ -140,6 +141,14 @@ def test_a_sweep_reconfigures_restarts_and_restores_a_real_systemd_unit(
             masked = host.inside(["systemctl", "show", "-p", "LoadState", "--value", *TMPFILES]).stdout.split()
             assert masked == ["masked"] * len(TMPFILES)
             assert host.ssh(["id", "-u"]).stdout.strip() == "0"
+            running = host.inside(["systemctl", "list-units", "--type=service", "--state=running", "--no-legend",
+                                   "--plain"]).stdout.split("\n")
+            assert sorted(line.split()[0] for line in running if line.strip()) == [
+                "ddtree-sshd.service", "systemd-journald.service"]
+            # Its cgroups live under the one child cgroup made for it (its cgroup namespace's root).
+            assert host.cgroup is not None and host.pid is not None
+            mine = Path(f"/proc/{host.pid}/cgroup").read_text().split("0::", 1)[1].split()[0]
+            assert (cgroup2_mount() / mine.lstrip("/")).is_relative_to(host.cgroup), (mine, host.cgroup)
 
             result = sweep(host, tmp_path, host.ssh_alias, tmp_path / "results")
             assert result.returncode == 0, output(result)
