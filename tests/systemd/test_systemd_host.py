@@ -62,7 +62,8 @@ TMPFILES = ("systemd-tmpfiles-setup.service", "systemd-tmpfiles-clean.timer", "s
 def prerequisites() -> None:
     missing = missing_prerequisites()
     if missing:
-        reason = "a booted systemd host needs: " + "; ".join(missing)
+        reason = ("a booted systemd host needs: " + "; ".join(missing) + ". To run it: as root on a machine with "
+                  "systemd and util-linux, `apt-get install openssh-server` (as .ci/run does)")
         if os.environ.get("CI") == "true":
             pytest.fail(f"{reason} (CI runs this test; .ci/run installs openssh-server)", pytrace=False)
         pytest.skip(reason)
