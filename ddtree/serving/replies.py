@@ -95,6 +95,8 @@ class Reply:
                     return
                 start = at + 1
             self._searched = len(text)
+        if self.progress.finish_reason == "stop" and ids and not out.no_stop_trim:
+            text = self.decode(ids[:-1])  # SGLang: a stop token stays in output_ids, its text is trimmed
         self.ids, self.text = ids, text
 
     def stream_text(self) -> str:

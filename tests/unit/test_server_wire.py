@@ -233,6 +233,23 @@ def test_stop_string_cuts_text_and_tokens_and_ends_the_request(no_trim: bool) ->
     run(app, body)
 
 
+@pytest.mark.parametrize("no_trim", [False, True])
+def test_a_stop_token_stays_in_output_ids_and_leaves_the_text(no_trim: bool) -> None:
+    codec = _word_codec()
+    app, engine = make_app(codec=codec)
+    ids, words = _greedy_words(engine, [2, 3], 60)
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and ids[i] != engine.eos_token_id)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        out = (await c.post("/generate", json=gen([2, 3], max_new_tokens=60, temperature=0, ignore_eos=True,
+                                                   stop_token_ids=[ids[k]], no_stop_trim=no_trim))).json()
+        assert out["output_ids"] == ids[: k + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[k]}
+        assert out["text"] == " ".join(words[: k + 1] if no_trim else words[:k])
+
+    run(app, body)
+
+
 def test_stop_strings_need_a_tokenizer() -> None:
     app, _ = make_app()
 
