@@ -258,7 +258,8 @@ def parse_chat(body: dict[str, Any], limits: Limits, template: Any) -> tuple[lis
     return _jobs(parsed, [tokens], max_new, limits, "chatcmpl", parsed.logprobs, names), parsed, options
 
 
-def _completion_logprobs(reply: Reply) -> dict[str, Any] | None:
+def _completion_logprobs(reply: Reply, start: int = 0) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs of the reply's tokens from index `start` on (a stream sends each token once)."""
     if not reply.job.output.logprobs:
         return None
     tokens = [reply.decode([t]) for t in reply.ids]
@@ -266,15 +267,16 @@ def _completion_logprobs(reply: Reply) -> dict[str, Any] | None:
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    values = reply.token_logprobs()
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [None] * len(values), "text_offset": offsets}
+    values = reply.token_logprobs()[start:]
+    return {"tokens": tokens[start:], "token_logprobs": values, "top_logprobs": [None] * len(values),
+            "text_offset": offsets[start:]}
 
 
-def _chat_logprobs(reply: Reply) -> dict[str, Any] | None:
+def _chat_logprobs(reply: Reply, start: int = 0) -> dict[str, Any] | None:
     if not reply.job.output.logprobs:
         return None
     content = []
-    for token, value in zip(reply.ids, reply.token_logprobs()):
+    for token, value in list(zip(reply.ids, reply.token_logprobs()))[start:]:
         text = reply.decode([token])
         content.append({"token": text, "logprob": value, "bytes": list(text.encode()), "top_logprobs": []})
     return {"content": content}
@@ -324,6 +326,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             chunk_kind = kind if kind == "text_completion" else "chat.completion.chunk"
             head = dict(base, object=chunk_kind)
             sent = dict.fromkeys(range(len(replies)), 0)  # text sent so far, per choice
+            sent_tokens = dict.fromkeys(range(len(replies)), 0)  # tokens whose log-probs are out, per choice
             ended: set[int] = set()  # choices whose last chunk is out (an interleaved stream may repeat a reply)
             try:
                 if chunk_kind != "text_completion":
@@ -338,7 +341,8 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
                     delta, sent[i] = text[sent[i]:], len(text)
                     if not delta and not r.finished:
                         continue
-                    c = choice(r, body, final=r.finished, delta=delta)
+                    c = choice(r, body, final=r.finished, delta=delta, from_token=sent_tokens[i])
+                    sent_tokens[i] = len(r.ids)
                     # a choice's last chunk carries its usage as well: every final answer has it
                     show_usage = options.continuous_usage_stats or r.finished
                     chunk = dict(head, choices=[c], usage=r.usage() if show_usage else None)
@@ -358,7 +362,8 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
 
         return EventStream(chunks(), close)
 
-    def choice(r: Reply, body: _Sampling, final: bool, delta: str | None = None) -> dict[str, Any]:
+    def choice(r: Reply, body: _Sampling, final: bool, delta: str | None = None, from_token: int = 0) -> dict[str, Any]:
+        """One choice: a whole answer (delta None), or a stream chunk with the log-probs of tokens from_token on."""
         chat = isinstance(body, ChatBody)
         out: dict[str, Any] = {"index": index(r, body.n)}
         if chat and delta is None:
@@ -367,7 +372,9 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             out["delta"] = {"content": delta}
         else:
             out["text"] = r.text if delta is None else delta
-        out["logprobs"] = (_chat_logprobs(r) if chat else _completion_logprobs(r)) if final else None
+        streamed = delta is not None
+        out["logprobs"] = (_chat_logprobs(r, from_token) if chat else _completion_logprobs(r, from_token)
+                           ) if final or streamed else None
         out["finish_reason"] = r.finish_reason if final else None
         out["matched_stop"] = r.matched_stop if final else None
         if body.return_token_ids and final:

@@ -450,25 +450,29 @@ def test_sampling_options_reach_the_engine() -> None:
 
 
 def test_logprobs_on_every_route() -> None:
+    N = 40
     codec = _word_codec()
-    app, engine = make_app(codec=codec)
-    ids, _ = _greedy_words(engine, [2, 3], 6)
+    engine = FakeEngine()
+    engine.step_delay = 0.01  # several rounds, so a stream has several chunks
+    app, _ = make_app(engine, codec=codec)
+    ids, _ = _greedy_words(engine, [2, 3], N)
     want = [fake_logprob(t) for t in ids]
 
     async def body(c: httpx.AsyncClient) -> None:
-        r = await c.post("/generate", json=dict(gen([2, 3], temperature=0, max_new_tokens=6, ignore_eos=True), return_logprob=True,
+        r = await c.post("/generate", json=dict(gen([2, 3], temperature=0, max_new_tokens=N, ignore_eos=True), return_logprob=True,
                                                 return_text_in_logprobs=True))
         entries = r.json()["meta_info"]["output_token_logprobs"]
         assert entries == [[lp, t, codec.decode([t])] for lp, t in zip(want, ids)]
-        plain = (await c.post("/generate", json=gen([2, 3], temperature=0, max_new_tokens=6, ignore_eos=True))).json()
+        plain = (await c.post("/generate", json=gen([2, 3], temperature=0, max_new_tokens=N, ignore_eos=True))).json()
         assert "output_token_logprobs" not in plain["meta_info"]
-        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": N, "temperature": 0, "ignore_eos": True,
                                                   "logprobs": 0})
         lp = r.json()["choices"][0]["logprobs"]
         assert lp["token_logprobs"] == want and lp["tokens"] == [codec.decode([t]) for t in ids]
-        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        r = await c.post("/v1/completions", json={"prompt": [2, 3], "max_tokens": N, "temperature": 0, "ignore_eos": True,
                                                   "logprobs": 0, "stream": True})
         chunks = parse_sse(r.text)
-        assert chunks[-1]["choices"][0]["logprobs"]["token_logprobs"] == want
+        assert len(chunks) > 1
+        assert [v for ch in chunks for v in ch["choices"][0]["logprobs"]["token_logprobs"]] == want  # each token once
 
     run(app, body)
