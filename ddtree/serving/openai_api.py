@@ -169,6 +169,8 @@ def _check_logprobs(requested: bool, field: str) -> None:
 def _jobs(body: _Sampling, prompts: list[list[int]], max_new: int | None, limits: Limits, prefix: str,
           logprobs: bool, names: dict[str, str]) -> list[Job]:
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if isinstance(body.rid, str) and len(prompts) > 1:
+        rids = [f"{body.rid}-{i}" for i in range(len(prompts))]  # one rid for several prompts: their prefix
     if len(rids) != len(prompts):
         raise RequestError(f"rid: {len(rids)} rids for {len(prompts)} prompts", field="rid")
     params = body.sampling(max_new)

@@ -309,6 +309,8 @@ def test_completions_n_and_prompt_lists() -> None:
         assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
         want, _ = expected_output(Request("x", [7, 8], 4, 0.5, 4, (), True), engine.vocab_size, engine.eos_token_id)
         assert out["choices"][3]["text"] == _word_codec().decode(want)
+        r = await c.post("/v1/completions", json={"prompt": ["the", "a"], "max_tokens": 2, "rid": "mine"})
+        assert r.status_code == 200, r.text
 
     run(app, body)
 
