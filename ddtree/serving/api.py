@@ -20,7 +20,17 @@ from starlette.exceptions import HTTPException
 from ddtree.errors import RequestError
 from ddtree.serving.args import read_config
 from ddtree.serving.openai_api import install_openai_routes
-from ddtree.serving.replies import SSE_DONE, EventStream, Reply, collect, error_chunk, error_response, follow, sse, submit_all
+from ddtree.serving.replies import (
+    SSE_DONE,
+    EventStream,
+    Reply,
+    collect,
+    error_chunk,
+    error_response,
+    follow_all,
+    sse,
+    submit_all,
+)
 from ddtree.serving.state import ServerState
 from ddtree.serving.validation import _Strict, parse_generate, parse_json, split_known, tokenize, validate
 
@@ -144,19 +154,31 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
         jobs, as_list = parse_generate(await read_body(request), state.limits)
         pairs = submit_all(state, jobs)
         if jobs[0].stream:
-            stream, reply = pairs[0]
-            updates = await follow(state, stream, reply)
+            updates = await follow_all(state, pairs)
+            position = {id(reply): i for i, (_, reply) in enumerate(pairs)}
 
             async def chunks() -> AsyncIterator[str]:
+                ended: set[int] = set()  # an interleaved stream may hand a finished reply over again
                 try:
                     async for r in updates:
-                        if r.ids or r.finished:
-                            yield sse(dict(generate_payload(r), text=r.stream_text()))
+                        i = position[id(r)]
+                        if i in ended or not (r.ids or r.finished):
+                            continue
+                        chunk = dict(generate_payload(r), text=r.stream_text())
+                        if as_list:
+                            chunk["index"] = i  # SGLang's batch stream: which prompt (and sample) a chunk is of
+                        if r.finished:
+                            ended.add(i)
+                        yield sse(chunk)
                 except RequestError as err:
                     yield error_chunk(err)
                 yield SSE_DONE
 
-            return EventStream(chunks(), lambda: state.cancel(stream))
+            def close() -> None:
+                for stream, _ in pairs:
+                    state.cancel(stream)
+
+            return EventStream(chunks(), close)
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
         return JSONResponse(payloads if as_list else payloads[0])
 

@@ -418,8 +418,6 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[Job], boo
         names = {} if where == "sampling_params" else {k: f"{where}.{k}" for k in SamplingParams.model_fields}
         jobs.extend(make_jobs(rid or new_rid(), i, tokens, params, limits, stream=parsed.stream, prompt_field=field,
                               names=names, logprobs=bool(logprobs[i]), text_in_logprobs=parsed.return_text_in_logprobs))
-    if parsed.stream and len(jobs) > 1:
-        raise RequestError("stream: streaming takes a single prompt with n = 1, not a batch", field="stream")
     return jobs, batched or len(jobs) > 1
 
 

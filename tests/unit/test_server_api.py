@@ -522,7 +522,6 @@ BAD = [
     pytest.param(gen([1], max_new_tokens=4, min_new_tokens=5), "sampling_params.min_new_tokens", id="min-past-max"),
     pytest.param(gen([1], seed=-1), "sampling_params.seed", id="negative-seed"),
     pytest.param(gen([1], stop_token_ids=[1000]), "sampling_params.stop_token_ids", id="stop-token-past-vocab"),
-    pytest.param({"input_ids": [[1], [2]], "stream": True}, "stream", id="stream-a-batch"),
     pytest.param({"input_ids": [1], "stream": "yes"}, "stream", id="stream-not-bool"),
 ]
 

@@ -182,6 +182,24 @@ def test_batch_with_a_string_rid_uses_it_as_a_prefix_and_per_prompt_params() -> 
     run(app, body)
 
 
+def test_a_batch_streams_its_prompts_interleaved_with_their_index() -> None:
+    engine = FakeEngine()
+    engine.step_delay = 0.002
+    app, _ = make_app(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        payload = {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 30, "ignore_eos": True, "n": 2,
+                                                                      "temperature": 0.5, "sampling_seed": 9}}
+        whole = (await c.post("/generate", json=payload)).json()
+        chunks = parse_sse((await c.post("/generate", json=dict(payload, stream=True))).text)
+        last = {ch["index"]: ch for ch in chunks}
+        assert sorted(last) == [0, 1, 2, 3]
+        assert [last[i]["output_ids"] for i in range(4)] == [w["output_ids"] for w in whole]
+        assert sum(ch["meta_info"]["finish_reason"] is not None for ch in chunks) == 4  # each ends once
+
+    run(app, body)
+
+
 # -- stop strings ---------------------------------------------------------------------------------------
 def test_stop_helpers() -> None:
     assert find_stop("a cat sat", ["sat", "cat"]) == (2, "cat")
