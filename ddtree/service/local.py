@@ -79,9 +79,7 @@ class LocalBackend:
         self.device = device or self.default_device
         self.max_running_requests = max_running_requests
         self.extra_args = list(extra_args)
-        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="ddtree-service-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.log_dir / f"{self.name}-{self.port}.log"
+        self._log_dir = Path(log_dir) if log_dir else None  # a temporary one is made at the first use
         self.env = dict(env or {})  # added to os.environ at each start; tests change it between starts
         self.dialect = dialect or default_dialect()  # how this server spells the knobs (flags, env)
         self.python = python
@@ -90,6 +88,19 @@ class LocalBackend:
         self.deployment: Deployment | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        """Where the server's log goes; without log_dir, a temporary folder made when first needed (so a
+        backend that never starts leaves nothing behind)."""
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="ddtree-service-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        return self._log_dir
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}-{self.port}.log"
 
     @property
     def base_url(self) -> str:
