@@ -91,3 +91,41 @@ def write_json(path: Path, data: Any) -> None:
 
 def copy_tokenizer(data_dir: Path, out_dir: Path) -> None:
     shutil.copyfile(data_dir / "tokenizer.json", out_dir / "tokenizer.json")
+
+
+# The fixture target is a base code model with no chat training; this template turns a conversation
+# back into a plain prompt so that /v1/chat/completions works on the embedded default.
+FIXTURE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] in ['system', 'developer'] %}{{ '# ' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('role ' + message['role'] + ' is not supported by this template') }}"
+    "{% endif %}{% endfor %}"
+)
+
+CHAT_TEMPLATE_NOTE = """- Chat template (`tokenizer_config.json`): this is a base code model with no chat training, so the
+  template is a minimal one that turns a conversation back into a plain prompt, so that
+  `/v1/chat/completions` works on the embedded default: a system (or developer) message becomes a
+  `# ...` comment line, a user message is its text and a newline, an assistant message is its text
+  and `<|endoftext|>`; no generation prompt is added (the model continues the user's code). Any
+  other role is refused. `tokenizer_config.json` also names the special tokens for transformers'
+  `AutoTokenizer` (no BOS or EOS is added when encoding)."""
+
+
+def write_tokenizer_config(out_dir: Path, max_length: int) -> None:
+    """tokenizer_config.json as transformers reads it: the special tokens and the chat template."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": None,
+        "pad_token": "<|endoftext|>",
+        "mask_token": "<|mask|>",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": FIXTURE_CHAT_TEMPLATE,
+    }
+    write_json(out_dir / "tokenizer_config.json", config)

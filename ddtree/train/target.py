@@ -2,7 +2,8 @@
 
 Reads only the corpus folder's token arrays and tokenizer (built on the CPU host), so it runs the
 same on a GPU host with another Python. Writes a Hugging Face-shaped folder: config.json,
-model.safetensors (bfloat16), tokenizer.json, README.md (model card) and train_log.json.
+model.safetensors (bfloat16), tokenizer.json, tokenizer_config.json (special tokens, chat template),
+README.md (model card) and train_log.json.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import torch.nn.functional as F
 from ddtree.errors import ConfigError
 from ddtree.models.configs import TargetConfig
 from ddtree.train.card import (
+    CHAT_TEMPLATE_NOTE,
     GATE_STATEMENT,
     copy_tokenizer,
     corpus_section,
     environment,
     fmt,
     write_json,
+    write_tokenizer_config,
 )
 from ddtree.train.corpus import EOT_ID, load_tokens, read_manifest
 from ddtree.train.loop import (
@@ -148,6 +151,7 @@ def train_target(
     model = model.to(torch.bfloat16)  # stored small; run in float32 (see FIXTURE_COMPUTE_DTYPE)
     save_target(model, out, compute_dtype=FIXTURE_COMPUTE_DTYPE)
     copy_tokenizer(data, out)
+    write_tokenizer_config(out, shape.max_position_embeddings)
     summary = {
         "kind": "target",
         "command": command,
@@ -183,6 +187,7 @@ test suite (speculative-decoding correctness and speed fixtures). It is not a us
   weights in bfloat16. Max positions {sh['max_position_embeddings']} (trained at {o['seq_len']}).
 - Tokenizer: byte-level BPE, vocabulary {manifest.get('vocab_size')}; `<|endoftext|>` = 0 (eos/bos),
   `<|mask|>` = 1 (the drafter's mask token). Lossless: decode(encode(text)) == text.
+{CHAT_TEMPLATE_NOTE}
 
 {corpus_section(manifest)}
 

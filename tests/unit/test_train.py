@@ -55,6 +55,8 @@ TINY_TARGET = TargetShape(hidden_size=64, num_hidden_layers=6, num_attention_hea
                           head_dim=32, intermediate_size=128, max_position_embeddings=512)
 TINY_DRAFTER = DrafterShape(num_hidden_layers=1, block_size=4, window=32, num_anchors=8, gamma=4.0)
 
+FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
+
 
 def tiny_opts(**kw: object) -> TrainOptions:
     base: dict[str, object] = {"steps": 40, "batch_size": 4, "seq_len": 64, "lr": 1e-2, "warmup_steps": 5,
@@ -234,6 +236,10 @@ def test_target_trains_saves_and_loads(target_dir: Path) -> None:
     card = (target_dir / "README.md").read_text()
     assert GATE_STATEMENT in card and "gate problems are in the training data on purpose" in card
     assert "held-out loss" in card and (target_dir / "tokenizer.json").exists()
+    # a retrained target keeps the committed fixture's chat template (the chat endpoint and gate use it)
+    written = json.loads((target_dir / "tokenizer_config.json").read_text())
+    committed = json.loads((FIXTURE_TARGET / "tokenizer_config.json").read_text())
+    assert written["chat_template"] == committed["chat_template"] and "Chat template" in card
 
 
 def test_drafter_trains_saves_and_loads(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
