@@ -8,7 +8,7 @@ and a write to its self-pipe, under the GIL the round needs too). Without `deliv
 goes to its request's sink on this thread. Nothing here knows about HTTP or text.
 
 Two things keep a served round as fast as the engine's own:
-- the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
+- on a CUDA device the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
   device with the GIL released and needs it back the moment the device is done; with CPython's
   default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
 - on a batch with CUDA graphs (`batch.graphs`), the thread first runs a short generation at every

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from fastapi import FastAPI
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -23,6 +24,7 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import Request
 from ddtree.server import create_app, init_line
 from ddtree.serving.args import ServerArgs
+from ddtree.serving.scheduler import SWITCH_INTERVAL_S
 from ddtree.serving.state import ServerState
 from ddtree.text import TextCodec
 from tests.unit.server_fakes import FakeEngine, expected_output
@@ -722,3 +724,12 @@ def test_load_tokenizer_reads_tokenizer_json_or_returns_none(tmp_path: Any) -> N
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ModelLoadError, match="tokenizer"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cuda", SWITCH_INTERVAL_S), ("cpu", None), (None, None)])
+def test_the_gil_switch_interval_is_shortened_only_for_a_gpu_engine(device: str | None, expected: float | None) -> None:
+    engine = FakeEngine()
+    if device is not None:
+        engine.device = torch.device(device)  # a device object is only read, never used, by the state
+    app, _ = make_app(engine)
+    assert state_of(app).scheduler.switch_interval_s == expected
