@@ -24,7 +24,8 @@ are the target's own.
 
 The heavy parts sit beside this file, each a part of DecodeBatch: ddtree.prefill (requests joining),
 ddtree.round_graphs (running the stages eagerly or as captured graphs, row padding, capturing every tree
-size) and ddtree.round_costs (budget auto's cost tables and calibration).
+size), ddtree.round_costs (budget auto's cost tables and calibration) and ddtree.slot_sampling (each slot's
+sampling options as device tensors, and choosing the target's tokens with them).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from ddtree.prefill import FORWARD_COST_TOKENS, FORWARD_COST_TOKENS_ACCELERATOR,
 from ddtree.request import Request, Row, StepOutput, emit, validate_request
 from ddtree.round_costs import CHOOSE_EVERY, RoundCosts
 from ddtree.round_graphs import GraphedRounds, RoundState, Stage, StageTimer
-from ddtree.sampling import Filters, Mode, ban_tokens, choose_tokens_no_sync, token_logprobs
+from ddtree.sampling import Mode, token_logprobs
+from ddtree.slot_sampling import SlotSampling
 
 
 class BatchEngine(Protocol):
@@ -69,7 +71,7 @@ class BatchEngine(Protocol):
     def budget_cost_model(self, spec: SpecConfig, max_batch: int) -> VerifyCostModel: ...
 
 
-class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
+class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
     """Continuous batching over a fixed number of slots: add, step, cancel."""
 
     def __init__(self, engine: BatchEngine, spec: SpecConfig, max_batch: int, max_len: int, profile: bool = True,
@@ -110,12 +112,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
         self.seeds = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        # per-slot sampling state beyond T and the seed (ddtree.sampling: Filters, ban_tokens)
-        self.top_ks = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # <= 0: off
-        self.top_ps = torch.ones(max_batch, dtype=torch.float32, device=self.device)
-        self.min_ps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
-        self.min_until = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # stop tokens banned below
-        self.banned: torch.Tensor | None = None  # [max_batch, V] a slot's stop tokens; made when first needed
+        self._init_slot_sampling(max_batch)  # top-k/p, min-p, min_new_tokens (ddtree.slot_sampling)
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -393,56 +390,6 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             self._views[m] = (self.cache.rows(0, m), None if self.ctx is None else self.ctx.rows(0, m))
         return self._views[m]
 
-    def _mode(self) -> Mode:
-        return self._mode_of([r.request for r in self.rows], [len(r.output) for r in self.rows])
-
-    @staticmethod
-    def _mode_of(requests: Sequence[Request], produced: Sequence[int]) -> Mode:
-        """What choosing tokens for these requests needs (`produced`: new tokens each has so far)."""
-        mode = Mode.GREEDY
-        for request, done in zip(requests, produced):
-            if request.temperature > 0:
-                mode |= Mode.SAMPLED
-            if request.filtered:
-                mode |= Mode.FILTERED
-            if request.min_new_tokens > done:
-                mode |= Mode.BAN
-            if request.return_logprob:
-                mode |= Mode.LOGPROBS
-        return mode
-
-    def _set_sampling(self, start: int, requests: Sequence[Request]) -> None:
-        """Slots start.. take these requests' sampling state (next to temps and seeds, which prefill sets)."""
-        stop = start + len(requests)
-        dev = self.device
-        self.top_ks[start:stop] = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=dev)
-        self.top_ps[start:stop] = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=dev)
-        self.min_ps[start:stop] = torch.tensor([r.min_p for r in requests], dtype=torch.float32, device=dev)
-        self.min_until[start:stop] = torch.tensor([len(r.prompt_ids) + r.min_new_tokens for r in requests],
-                                                  dtype=torch.long, device=dev)
-        if self.banned is None and any(r.min_new_tokens > 0 for r in requests):
-            self.banned = torch.zeros(self.max_batch, self.engine.vocab_size, dtype=torch.bool, device=dev)
-        if self.banned is not None:
-            self.banned[start:stop] = False
-            for slot, r in enumerate(requests, start):
-                stops = set(r.stop_token_ids) | ({self.engine.eos_token_id} if not r.ignore_eos and
-                                                 self.engine.eos_token_id is not None else set())
-                if r.min_new_tokens > 0 and stops:
-                    self.banned[slot, sorted(stops)] = True
-
-    def _choose(self, logits: torch.Tensor, rows: slice | torch.Tensor, positions: torch.Tensor, mode: Mode) -> torch.Tensor:
-        """The target's token at every position of these slots' rows (a slice, or a device index), per `mode`."""
-
-        def take(buf: torch.Tensor) -> torch.Tensor:
-            return buf[rows] if isinstance(rows, slice) else buf.index_select(0, rows)
-
-        if mode & Mode.BAN:
-            assert self.banned is not None  # made by _set_sampling for the request that needs it
-            logits = ban_tokens(logits, take(self.banned), take(self.min_until), positions)
-        filters = Filters(take(self.top_ks), take(self.top_ps), take(self.min_ps)) if mode & Mode.FILTERED else None
-        return choose_tokens_no_sync(logits, take(self.temps), take(self.seeds), positions, bool(mode & Mode.SAMPLED),
-                                     filters)
-
     def _retire_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         done = {o.request_id for o in outputs if o.finished}
         for slot in reversed(range(len(self.rows))):
@@ -456,8 +403,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts):
             self.cache.move_row(last, slot)
             if self.ctx is not None:
                 self.ctx.move_row(last, slot)
-            for buf in (self.bonus, self.temps, self.seeds, self.top_ks, self.top_ps, self.min_ps, self.min_until,
-                        *([self.banned] if self.banned is not None else [])):
+            for buf in (self.bonus, self.temps, self.seeds, *self._sampling_buffers()):
                 buf[slot] = buf[last]
             self.rows[slot] = self.rows[last]
         self.rows.pop()

@@ -7,7 +7,7 @@ the target's own and the one sync hands it back.
 
 `Prefill` is a part of ddtree.decode.DecodeBatch: it reads the batch's engine, spec, slots (cache, ctx,
 bonus, temps, seeds), rows, timer and graphs, and sets and reads the slots' sampling state through
-DecodeBatch's `_set_sampling`, `_mode_of` and `_choose`.
+ddtree.slot_sampling's `_set_sampling`, `_mode_of` and `_choose`.
 """
 
 from __future__ import annotations
