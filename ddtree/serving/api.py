@@ -21,14 +21,12 @@ from ddtree.errors import RequestError
 from ddtree.serving.args import read_config
 from ddtree.serving.openai_api import install_openai_routes
 from ddtree.serving.replies import (
-    SSE_DONE,
-    EventStream,
     Reply,
     collect,
-    error_chunk,
     error_response,
     follow_all,
     sse,
+    sse_response,
     submit_all,
 )
 from ddtree.serving.state import ServerState
@@ -159,26 +157,18 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
 
             async def chunks() -> AsyncIterator[str]:
                 ended: set[int] = set()  # an interleaved stream may hand a finished reply over again
-                try:
-                    async for r in updates:
-                        i = position[id(r)]
-                        if i in ended or not (r.ids or r.finished):
-                            continue
-                        chunk = dict(generate_payload(r), text=r.stream_text())
-                        if as_list:
-                            chunk["index"] = i  # SGLang's batch stream: which prompt (and sample) a chunk is of
-                        if r.finished:
-                            ended.add(i)
-                        yield sse(chunk)
-                except RequestError as err:
-                    yield error_chunk(err)
-                yield SSE_DONE
+                async for r in updates:
+                    i = position[id(r)]
+                    if i in ended or not (r.ids or r.finished):
+                        continue
+                    chunk = dict(generate_payload(r), text=r.stream_text())
+                    if as_list:
+                        chunk["index"] = i  # SGLang's batch stream: which prompt (and sample) a chunk is of
+                    if r.finished:
+                        ended.add(i)
+                    yield sse(chunk)
 
-            def close() -> None:
-                for stream, _ in pairs:
-                    state.cancel(stream)
-
-            return EventStream(chunks(), close)
+            return sse_response(state, pairs, chunks())
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
         return JSONResponse(payloads if as_list else payloads[0])
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ddtree.errors import RequestError
 from ddtree.serving.chat import TemplateError, load_chat_template
-from ddtree.serving.replies import SSE_DONE, EventStream, Reply, collect, error_chunk, follow_all, sse, submit_all
+from ddtree.serving.replies import Reply, collect, follow_all, sse, sse_response, submit_all
 from ddtree.serving.state import ServerState
 from ddtree.serving.validation import (
     ENGINE_FIELDS,
@@ -330,39 +330,31 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             sent = dict.fromkeys(range(len(replies)), 0)  # text sent so far, per choice
             sent_tokens = dict.fromkeys(range(len(replies)), 0)  # tokens whose log-probs are out, per choice
             ended: set[int] = set()  # choices whose last chunk is out (an interleaved stream may repeat a reply)
-            try:
-                if chunk_kind != "text_completion":
-                    for r in replies:
-                        yield sse(dict(head, choices=[{"index": index(r, body.n), "delta": {"role": "assistant", "content": ""},
-                                                       "logprobs": None, "finish_reason": None}], usage=None))
-                async for r in updates:
-                    i = index(r, body.n)
-                    if i in ended:
-                        continue
-                    text = r.stream_text()
-                    delta, sent[i] = text[sent[i]:], len(text)
-                    if not delta and not r.finished:
-                        continue
-                    c = choice(r, body, final=r.finished, delta=delta, from_token=sent_tokens[i])
-                    sent_tokens[i] = len(r.ids)
-                    # a choice's last chunk carries its usage as well: every final answer has it
-                    show_usage = options.continuous_usage_stats or r.finished
-                    chunk = dict(head, choices=[c], usage=r.usage() if show_usage else None)
-                    if r.finished:
-                        chunk["sglext"] = {"spec_tokens_details": _spec_details(r)}
-                        ended.add(i)
-                    yield sse(chunk)
-                if options.include_usage:
-                    yield sse(dict(head, choices=[], usage=_sum_usage(replies)))
-            except RequestError as err:
-                yield error_chunk(err)
-            yield SSE_DONE
+            if chunk_kind != "text_completion":
+                for r in replies:
+                    yield sse(dict(head, choices=[{"index": index(r, body.n), "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}], usage=None))
+            async for r in updates:
+                i = index(r, body.n)
+                if i in ended:
+                    continue
+                text = r.stream_text()
+                delta, sent[i] = text[sent[i]:], len(text)
+                if not delta and not r.finished:
+                    continue
+                c = choice(r, body, final=r.finished, delta=delta, from_token=sent_tokens[i])
+                sent_tokens[i] = len(r.ids)
+                # a choice's last chunk carries its usage as well: every final answer has it
+                show_usage = options.continuous_usage_stats or r.finished
+                chunk = dict(head, choices=[c], usage=r.usage() if show_usage else None)
+                if r.finished:
+                    chunk["sglext"] = {"spec_tokens_details": _spec_details(r)}
+                    ended.add(i)
+                yield sse(chunk)
+            if options.include_usage:
+                yield sse(dict(head, choices=[], usage=_sum_usage(replies)))
 
-        def close() -> None:
-            for stream, _ in pairs:
-                state.cancel(stream)
-
-        return EventStream(chunks(), close)
+        return sse_response(state, pairs, chunks())
 
     def choice(r: Reply, body: _Sampling, final: bool, delta: str | None = None, from_token: int = 0) -> dict[str, Any]:
         """One choice: a whole answer (delta None), or a stream chunk with the log-probs of tokens from_token on."""

@@ -51,6 +51,25 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+def sse_response(state: ServerState, pairs: list[tuple[RequestStream, Reply]], chunks: AsyncIterator[str]) -> EventStream:
+    """An SSE response of `chunks`: a RequestError met on the way becomes an error chunk, `[DONE]` always ends
+    it, and every request of `pairs` is cancelled however the response ends (client gone included)."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except RequestError as err:
+            yield error_chunk(err)
+        yield SSE_DONE
+
+    def close() -> None:
+        for stream, _ in pairs:
+            state.cancel(stream)
+
+    return EventStream(guarded(), close)
+
+
 class Reply:
     """The answer to one job so far; `update()` after every round of its progress."""
 
