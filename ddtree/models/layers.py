@@ -14,7 +14,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels.fused_linear import fused_linear_triton
 from ddtree.kernels.norm_rope import norm_rope, norm_rope_write
+from ddtree.kernels.residual_norm import silu_mul
+
+# Inference linears of at most this many rows (bias-free, 16-bit, CUDA) run ddtree.kernels.fused_linear's
+# Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the same launch; 0 = cuBLAS
+# always. Process-wide, like the engine's BLAS choice; GEMV_TILES = (block_n, block_k, num_warps) or None
+# (the kernel's own choice). docs/perf.md, "The engine at real width", says what they measured.
+GEMV_MAX_ROWS = 0
+GEMV_TILES: tuple[int, int, int] | None = None
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if not GEMV_MAX_ROWS or bias is not None or not x.is_cuda or x.dtype == torch.float32 or x.dim() not in (2, 3):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           swiglu: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), then silu(gate) * up of its two halves when swiglu (weight = [gate; up]):
+    through cuBLAS, or for few rows through the fused Triton kernel (GEMV_MAX_ROWS)."""
+    if _gemv_rows(x, weight, bias):
+        block_n, block_k, warps = GEMV_TILES or (None, None, 4)
+        return fused_linear_triton(x, weight, swiglu=swiglu, block_n=block_n, block_k=block_k, num_warps=warps)
+    y = F.linear(x, weight, bias)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        return silu_mul(gate, up)
+    return y
 
 
 class RMSNorm(nn.Module):
@@ -123,7 +154,7 @@ class FusedLinear:
         tail is one GEMM too), as column slices of one [..., sum(out)] result."""
         start = sum(self.sizes[:skip])
         bias = None if self.bias is None else self.bias[start:]
-        return list(F.linear(x, self.weight[start:], bias).split(self.sizes[skip:], dim=-1))
+        return list(linear(x, self.weight[start:], bias).split(self.sizes[skip:], dim=-1))
 
 
 class SwiGLU(nn.Module):
@@ -141,10 +172,14 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.live:
-            gate, up = self.gate_up(x)
+            if self.gate_up.bias is None:  # the GEMM and the product (one launch where `linear` fuses them)
+                act = linear(x, self.gate_up.weight, swiglu=True)
+            else:
+                act = silu_mul(*self.gate_up(x))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            act = silu_mul(self.gate_proj(x), self.up_proj(x))
+        down = self.down_proj
+        return linear(act, down.weight, down.bias) if self.gate_up is not None and self.gate_up.live else down(act)
 
 
 class GQAProjections(nn.Module):
@@ -245,6 +280,9 @@ class GQAProjections(nn.Module):
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         # o[bs, H, q, d] -> [bs, q, D]
+        fused = self._fused()  # inference (see FusedLinear.live): `linear` may pick the few-row kernel
+        if fused is not None:
+            return linear(self.merge_heads(o), self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(self.merge_heads(o))
 
 

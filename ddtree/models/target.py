@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels.bitmask import causal_bitmask, pack_mask
+from ddtree.kernels.residual_norm import add_rms_norm
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, tree_attention
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear
 
 
 def rotary_positions(max_position_embeddings: int) -> int:
@@ -131,7 +132,7 @@ class Target(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden[..., D] (already normed) -> logits[..., V] float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.config
@@ -191,8 +192,12 @@ class Target(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers or [])
         slots = cache.write_slots(n_q)
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
+        layers = self.model.layers
+        # each residual add runs with the norm after it (one launch on CUDA: ddtree.kernels.residual_norm);
+        # h is the normed input of what comes next, ending with the final norm
+        norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
+        x, h = add_rms_norm(x, None, norms[0].weight, norms[0].eps)
+        for i, layer in enumerate(layers):
             q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
             if bitmask is None:
                 k_all, v_all = cache.view(i, kv_len)
@@ -201,11 +206,12 @@ class Target(nn.Module):
                 k_all, v_all = cache.view(i, cache.max_len)
                 o = tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
                                    backend=backend, out=layer.self_attn.out_buffer(q))
-            x = x + layer.self_attn.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            post = layer.post_attention_layernorm
+            x, h = add_rms_norm(x, layer.self_attn.out(o), post.weight, post.eps)
+            x, h = add_rms_norm(x, layer.mlp(h), norms[i + 1].weight, norms[i + 1].eps)
             if i in wanted:
                 taps[i] = x
-        return self._finish(x, taps, tap_layers, logit_positions)
+        return self._finish(x, taps, tap_layers, logit_positions, normed=h)
 
     def _finish(
         self,
@@ -213,8 +219,10 @@ class Target(nn.Module):
         taps: dict[int, torch.Tensor],
         tap_layers: list[int] | None,
         logit_positions: torch.Tensor | None,
+        normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        normed = self.model.norm(x)
+        """normed: model.norm(x) when the caller has it already."""
+        normed = self.model.norm(x) if normed is None else normed
         last = self.config.num_hidden_layers - 1
         if last in taps:
             # HF's hidden_states[-1] is taken after the final norm; keep the z-lab convention exact
