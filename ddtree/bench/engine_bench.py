@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from ddtree.bench.acceptance import heldout_files, heldout_prompts
-from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count
+from ddtree.bench.hbm import copy_bandwidth, floors_ms, step_bytes
+from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count, random_models
 from ddtree.bench.syncs import round_syncs
 from ddtree.config import SpecConfig
 from ddtree.engine import ATTENTION_BACKENDS, Engine, GenerationResult, Request
@@ -168,6 +169,8 @@ def measure_config(engine: Engine, prompts: list[list[int]], spec: SpecConfig, m
     round_total = sum(stage[s] for s in ROUND_STAGES)
     rounds = max(max(len(r.accept_lengths) for r in runs[0]), 1) if spec.speculative else max_new_tokens - 1
     return {
+        # the timed runs' wall less the profiled prefill, per round (per AR step): what a round costs as served
+        "step_ms": 1000 * max(wall - stage["prefill"] / repeats, 0.0) / rounds,
         "config": spec.id,
         "algorithm": spec.algorithm.value,
         "tokens": tokens,
@@ -203,8 +206,10 @@ def measure_syncs(engine: Engine, prompts: list[list[int]], spec: SpecConfig, ma
 
 
 def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig], cell: Cell,
-               max_new_tokens: int, repeats: int, warmup_tokens: int) -> list[dict[str, Any]]:
-    """Every config on the cell's prompts; AR (specs[0]) first, each row compared with it."""
+               max_new_tokens: int, repeats: int, warmup_tokens: int,
+               bandwidth: float | None = None) -> list[dict[str, Any]]:
+    """Every config on the cell's prompts; AR (specs[0]) first, each row compared with it. bandwidth (bytes/s,
+    ddtree.bench.hbm): each row also gets its HBM floor (floor_ms) beside its step time."""
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     ar_tps = 0.0
@@ -218,14 +223,19 @@ def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig]
         speedup = row["tok_per_s"] / ar_tps if ar_tps > 0 else 0.0
         row.update(context=cell.context, concurrency=cell.concurrency, speedup=speedup,
                    efficiency=speedup / row["tau"], lossless=not mismatched, mismatched_prompts=mismatched)
+        if bandwidth:  # the HBM floor of this row's step: AR reads the target, a round the drafter too
+            floors = floors_ms(step_bytes(engine, cell.concurrency, cell.context), bandwidth)
+            row["floor_ms"] = floors["round" if spec.speculative else "ar"]
         rows.append(row)
+        floor = f"  step {row['step_ms']:.3f} ms (floor {row['floor_ms']:.3f})" if "floor_ms" in row else ""
         print(f"  [ctx {cell.context} x {cell.concurrency}] {row['config']:22} {row['tok_per_s']:9.1f} tok/s  "
-              f"tau {row['tau']:5.2f}  x{speedup:5.2f}  {'lossless' if row['lossless'] else 'MISMATCH'}", flush=True)
+              f"tau {row['tau']:5.2f}  x{speedup:5.2f}{floor}  {'lossless' if row['lossless'] else 'MISMATCH'}",
+              flush=True)
     return rows
 
 
 # -- output --------------------------------------------------------------------------------------
-_COLUMNS = ("config", "tok/s", "tau", "speed-up", "eff", "budget", "round ms",
+_COLUMNS = ("config", "tok/s", "tau", "speed-up", "eff", "budget", "round ms", "step ms", "floor ms",
             *[f"{s}%" for s in ROUND_STAGES], "syncs", "lossless")
 
 
@@ -234,8 +244,10 @@ def _cells(row: dict[str, Any]) -> list[str]:
     shares = [f"{100 * row['share'][s]:.0f}" for s in ROUND_STAGES]
     round_ms = sum(row.get("round_ms", {}).values())
     syncs = row.get("syncs_per_round")
+    step = f"{row['step_ms']:.3f}" if "step_ms" in row else "-"
+    floor = f"{row['floor_ms']:.3f}" if row.get("floor_ms") is not None else "-"
     return [row["config"], f"{row['tok_per_s']:.1f}", f"{row['tau']:.2f}", f"{row['speedup']:.2f}",
-            f"{row['efficiency']:.2f}", budget, f"{round_ms:.2f}", *shares,
+            f"{row['efficiency']:.2f}", budget, f"{round_ms:.2f}", step, floor, *shares,
             "-" if syncs is None else f"{syncs:.1f}", "yes" if row["lossless"] else "NO"]
 
 
@@ -253,7 +265,9 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = [f"Engine benchmark: {meta['shape_label']}; {meta['device_name']}, torch {meta['torch']}, "
              f"{meta['dtype']}, attention {meta.get('attention', 'sdpa')}, CUDA graphs "
              f"{'on' if meta.get('cuda_graphs') else 'off'}, {meta['max_new_tokens']} new tokens, median of "
-             f"{meta['repeats']}, {meta['date']}.",
+             f"{meta['repeats']}, {meta['date']}."
+             + (f" Floors: the bytes a step reads (weights, KV) over a {meta['copy_gbps']:.0f} GB/s copy bandwidth."
+                if meta.get("copy_gbps") else ""),
              "", f"`{meta['command']}`", ""]
     for context, concurrency in sorted({(r["context"], r["concurrency"]) for r in report["rows"]}):
         rows = [r for r in report["rows"] if (r["context"], r["concurrency"]) == (context, concurrency)]
@@ -280,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixture: the --target/--drafter pair; 1b (or tiny): a random-weight pair of that shape")
     p.add_argument("--random-model-dir", type=Path, default=DEFAULT_RANDOM_DIR,
                    help="where random-weight pairs are built once and reused (one subfolder per shape)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="build the random-weight pair on the device instead of a folder (8b: 16 GB not written)")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="random pairs: the drafter's depth (default: the shape's, 2)")
+    p.add_argument("--floors", default="auto", choices=["auto", "on", "off"],
+                   help="HBM floor beside each row (a measured copy bandwidth; auto: on CUDA)")
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="ID")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], metavar="N")
     p.add_argument("--contexts", nargs="+", type=int, default=[60, 1024, 4096], metavar="TOKENS")
@@ -313,25 +333,38 @@ def main(argv: list[str] | None = None) -> int:
 
     target_dir, drafter_dir = args.target, args.drafter
     shape_label = f"fixture pair ({target_dir.name})"
-    if args.shape != "fixture":
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    in_memory = None
+    if args.shape != "fixture" and (args.in_memory or args.draft_layers is not None):
+        # the pair's prompts come from the fixture tokenizer it shares
+        target_dir, drafter_dir = FIXTURE_TARGET, None
+        in_memory = random_models(args.shape, device=args.device, dtype=DTYPES[args.dtype] or torch.bfloat16,
+                                  draft_layers=args.draft_layers)
+        n = sum(p.numel() for p in in_memory[0].parameters())
+        print(f"random-weight {args.shape} pair built in memory on {args.device}", flush=True)
+    elif args.shape != "fixture":
         folder = args.random_model_dir / args.shape
         print(f"random-weight {args.shape} pair: {folder} (built once)", flush=True)
         target_dir, drafter_dir = build_random_pair(folder, args.shape, device=args.device)
         n = parameter_count(folder)
+    if args.shape != "fixture":
         size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
-        shape_label = f"{args.shape}: RANDOM WEIGHTS, {size}-parameter target (acceptance means nothing; timings only)"
+        layers = f", {args.draft_layers}-layer drafter" if args.draft_layers is not None else ""
+        shape_label = (f"{args.shape}: RANDOM WEIGHTS, {size}-parameter target{layers} (acceptance means nothing; "
+                       "timings only)")
     try:
         check_prompt_source(target_dir)
+        if in_memory is not None:
+            engine = Engine(*in_memory, attention=args.attention, cuda_graphs=graphs)
+        else:
+            engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
+                                            attention=args.attention, cuda_graphs=graphs)
     except ConfigError as err:
         print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
         return 2
-    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
-    try:
-        engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
-                                        attention=args.attention, cuda_graphs=graphs)
-    except ConfigError as err:
-        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
-        return 2
+    del in_memory
+    floors = args.floors == "on" or (args.floors == "auto" and engine.device.type == "cuda")
+    bandwidth = copy_bandwidth(engine.device) if floors else None
     dtype = str(next(engine.target.parameters()).dtype).removeprefix("torch.")
     report: dict[str, Any] = {
         "meta": {
@@ -341,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
             "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "warmup_tokens": args.warmup_tokens, "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
+            "copy_gbps": None if bandwidth is None else bandwidth / 1e9,
         },
         "rows": [], "skipped": [],
     }
@@ -356,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skip context {context} x {concurrency}: {reason}", flush=True)
                 report["skipped"].append({"context": context, "concurrency": concurrency, "reason": reason})
                 continue
-            rows = bench_cell(engine, prompts, specs, cell, args.max_new_tokens, args.repeats, args.warmup_tokens)
+            rows = bench_cell(engine, prompts, specs, cell, args.max_new_tokens, args.repeats, args.warmup_tokens,
+                              bandwidth)
             report["rows"] += rows
             print(f"\ncontext {context}, concurrency {concurrency}\n{format_table(rows)}\n", flush=True)
             _write(args, report)

@@ -24,7 +24,9 @@ import torch
 
 from ddtree.errors import ConfigError
 from ddtree.models import (
+    DFlashDrafter,
     DrafterConfig,
+    Target,
     TargetConfig,
     build_target_layer_ids,
     init_drafter,
@@ -52,12 +54,16 @@ class Shape:
     draft_layers: int = 2
     block_size: int = 8
     draft_window: int = 2048
+    vocab: int | None = None  # None: the fixture tokenizer's (its ids are valid in any larger vocabulary)
 
 
 # "1b": Qwen3-1.7B's width (hidden 2048, 16/8 heads of 128, intermediate 6144) at 20 layers, ~1.0B
-# parameters with a 4096-token vocabulary. "tiny": unit tests.
+# parameters with a 4096-token vocabulary. "8b": Qwen3-8B's shape (hidden 4096, 36 layers, 32/8 heads of 128,
+# intermediate 12288, vocabulary 151936; the head tied to the embedding, so 7.6B parameters, 15.1 GB in
+# bfloat16, where Qwen3-8B's untied head adds an embedding table no decode step reads). "tiny": unit tests.
 SHAPES: dict[str, Shape] = {
     "1b": Shape(hidden=2048, layers=20, heads=16, kv_heads=8, head_dim=128, intermediate=6144),
+    "8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936),
     "tiny": Shape(hidden=48, layers=4, heads=4, kv_heads=2, head_dim=12, intermediate=96, max_context=512),
 }
 
@@ -78,6 +84,47 @@ def parameter_count(folder: Path) -> int:
     return int(json.loads((folder / MARKER).read_text())["target_parameters"])
 
 
+def random_models(shape: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                  seed: int = 0, draft_layers: int | None = None,
+                  tokenizer_dir: Path = FIXTURE_TARGET) -> tuple[Target, DFlashDrafter]:
+    """A random-weight target and drafter of `shape`, built in memory on `device` in `dtype` (no folder).
+
+    draft_layers overrides the shape's drafter depth (a 1-layer drafter reads fewer bytes per round).
+    Weights are drawn in float32 and cast, as `build_random_pair` saves them.
+    """
+    spec = shape_of(shape)
+    vocab = spec.vocab if spec.vocab is not None else fixture_vocab(tokenizer_dir)
+    target_cfg = TargetConfig(
+        model_type="qwen3", vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_context, tie_word_embeddings=True,
+        eos_token_id=None,  # random weights: no token means "stop"
+    )
+    with torch.no_grad():
+        target = init_target(target_cfg, device=device, seed=seed).eval()
+        target.model.embed_tokens.weight.mul_(EMBED_SCALE)
+        target = target.to(dtype)
+    return target, random_drafter(target, shape, draft_layers=draft_layers, seed=seed + 1)
+
+
+def random_drafter(target: Target, shape: str, *, draft_layers: int | None = None, seed: int = 1) -> DFlashDrafter:
+    """A random DFlash drafter of `shape`'s width for `target` (in its dtype, on its device)."""
+    spec = shape_of(shape)
+    n_draft = spec.draft_layers if draft_layers is None else draft_layers
+    if n_draft < 1:
+        raise ConfigError(f"draft_layers: {n_draft} is out of range (allowed >= 1)")
+    drafter_cfg = DrafterConfig(
+        hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=n_draft,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+        vocab_size=target.config.vocab_size, block_size=spec.block_size,
+        target_layer_ids=tuple(build_target_layer_ids(spec.layers, n_draft)),
+        mask_token_id=1, num_target_layers=spec.layers, max_position_embeddings=spec.max_context,
+        layer_types=("sliding_attention",) * n_draft, sliding_window=spec.draft_window,
+    )
+    with torch.no_grad():
+        return init_drafter(drafter_cfg, target, seed=seed).eval()
+
+
 def build_random_pair(folder: Path, shape: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
                       seed: int = 0, tokenizer_dir: Path = FIXTURE_TARGET) -> tuple[Path, Path]:
     """Write folder/target and folder/drafter for `shape` (once: an existing complete build is reused).
@@ -90,28 +137,10 @@ def build_random_pair(folder: Path, shape: str, *, device: str = "cpu", dtype: t
     marker = folder / MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("shape") == shape:
         return target_dir, drafter_dir
-    vocab = fixture_vocab(tokenizer_dir)
-    target_cfg = TargetConfig(
-        model_type="qwen3", vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_context, tie_word_embeddings=True,
-        eos_token_id=None,  # random weights: no token means "stop"
-    )
-    with torch.no_grad():
-        target = init_target(target_cfg, device=device, seed=seed).eval()
-        target.model.embed_tokens.weight.mul_(EMBED_SCALE)
-        drafter_cfg = DrafterConfig(
-            hidden_size=spec.hidden, intermediate_size=spec.intermediate, num_hidden_layers=spec.draft_layers,
-            num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-            vocab_size=vocab, block_size=spec.block_size,
-            target_layer_ids=tuple(build_target_layer_ids(spec.layers, spec.draft_layers)),
-            mask_token_id=1, num_target_layers=spec.layers, max_position_embeddings=spec.max_context,
-            layer_types=("sliding_attention",) * spec.draft_layers, sliding_window=spec.draft_window,
-        )
-        drafter = init_drafter(drafter_cfg, target, seed=seed + 1).eval()
-        n_params = sum(p.numel() for p in target.parameters())
-        save_target(target.to(dtype), target_dir)
-        save_drafter(drafter.to(dtype), drafter_dir)
+    target, drafter = random_models(shape, device=device, dtype=dtype, seed=seed, tokenizer_dir=tokenizer_dir)
+    n_params = sum(p.numel() for p in target.parameters())
+    save_target(target, target_dir)
+    save_drafter(drafter, drafter_dir)
     del target, drafter
     for d in (target_dir, drafter_dir):
         shutil.copy(tokenizer_dir / "tokenizer.json", d / "tokenizer.json")

@@ -1,0 +1,581 @@
+r"""The engine at real model width: HBM floors, kernel profiles of an AR step and a verify step, kernel
+variants side by side, engine rounds by tree size, and transformers' own Qwen3 as the peer.
+
+    python -m ddtree.bench.real_width --shapes 1b 8b --device cuda --out-dir /tmp/real_width
+
+RANDOM WEIGHTS: the pairs come from ddtree.bench.random_models, built in memory on the device (an 8b
+folder would be 16 GB to write and read back); only timings mean something. Per shape:
+
+1. The floor: the bytes a step must read (the target's weights, and the KV cache at the context) over a
+   measured device-to-device copy bandwidth (bytes read + written per second, as the device's own ceiling).
+2. GEMMs at the shape's projections and rows 1 / 9 / 32: cuBLAS, cuBLASLt and the fused Triton kernel at a
+   few tilings (ddtree.kernels.fused_linear), each a CUDA graph over enough weight copies to miss the L2.
+3. The target's forward alone, captured as a CUDA graph (q = 1: an AR step; q = 9: a b8 verify), at batch 1
+   and 32 over a cached context: replay times for each kernel variant (VARIANTS), and for the default one
+   the profiler's kernel times inside the replays, grouped by kind, per step and per layer.
+4. Engine rounds (DecodeBatch.step, graphed, its one host sync included): AR and b8-k4 at batch 1 per
+   variant, and at batch 32 the round time by tree size; round / AR step beside the floors.
+5. The peer: the same shape as transformers' Qwen3ForCausalLM (sdpa, bfloat16): `generate` with a static
+   cache, and one decode step captured as a CUDA graph where that works.
+
+Writes real_width.json (every number) and real_width.md (the tables) under --out-dir after each part.
+On the CPU (tests) the same code runs eagerly on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.bench.hbm import copy_bandwidth, step_bytes
+from ddtree.bench.random_models import SHAPES, random_drafter, random_models, shape_of
+from ddtree.config import SpecConfig
+from ddtree.engine import Engine, Request
+from ddtree.kernels import residual_norm
+from ddtree.kernels.fused_linear import fused_linear_triton
+from ddtree.models import layers
+
+# name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the Triton kernel, its tiles, BLAS)
+VARIANTS: dict[str, tuple[bool, int, tuple[int, int, int] | None, str]] = {
+    "torch ops": (False, 0, None, "cublas"),
+    "fused": (True, 0, None, "cublas"),
+    "fused, cublaslt": (True, 0, None, "cublaslt"),
+    "fused, triton gemv": (True, 16, None, "cublas"),
+}
+DEFAULT_VARIANT = "fused"
+# (block_n, block_k, num_warps) tried for the Triton kernel at few rows; None = its own choice
+TILINGS: list[tuple[int, int, int] | None] = [None, (64, 128, 4), (32, 128, 4), (16, 256, 4), (64, 256, 8)]
+L2_MISS_BYTES = 256 << 20  # weight copies per GEMM timing add up to at least this (the H200's L2 is 60 MB)
+TREE_CONFIGS = ["b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b16-k4-w2048-bs8", "b32-k8-w2048-bs8", "b64-k8-w2048-bs8"]
+
+
+# -- measuring -------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Replay:
+    """fn captured as a CUDA graph (eager on the CPU); `time()` is the median of `repeats` replays in ms."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device) -> None:
+        self.fn, self.device, self.graph = fn, device, None
+        if device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                fn()
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn()
+        else:
+            self.out = fn()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+    def time(self, repeats: int = 20) -> float:
+        for _ in range(3):
+            self()
+        times = []
+        for _ in range(repeats):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self()
+            _sync(self.device)
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+
+KINDS = [  # (kind, name fragments), first match wins
+    ("triton gemv", ("_fused_linear_kernel",)),
+    ("gemm (cuBLAS)", ("gemm", "gemv", "cutlass", "nvjet", "splitk", "xmma", "cublas")),
+    ("attention", ("tree_attention", "_attn", "flash", "fmha", "sdpa")),
+    ("q/k norm + rope", ("norm_rope",)),
+    ("add + rmsnorm (triton)", ("_add_rms_norm",)),
+    ("silu * up (triton)", ("_silu_mul",)),
+    ("norm (torch)", ("norm",)),
+    ("tree ops, walk, compaction", ("tree", "compact", "accepted", "follow", "budget")),
+    ("reduce / argmax", ("reduce", "argmax", "max")),
+    ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
+    ("elementwise (torch)", ("elementwise",)),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, parts in KINDS:
+        if any(p in low for p in parts):
+            return kind
+    return "other"
+
+
+def kernel_table(run: Callable[[], None], device: torch.device, steps: int = 5) -> dict[str, Any]:
+    """The profiler's device kernels over `steps` calls of run: per kernel name, launches and us per step.
+
+    On the CPU (no kernels) the aten ops' self CPU time stands in. CUPTI reports the kernels inside a graph
+    replay one by one, so a replayed step lists what it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    _sync(device)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+        _sync(device)
+    rows: dict[str, list[float]] = {}
+    for e in prof.key_averages():
+        if cuda:
+            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+                continue
+            us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "device_time_total", 0.0))
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            us = float(e.self_cpu_time_total)
+        if us <= 0:
+            continue
+        count, total = rows.get(e.key, [0.0, 0.0])
+        rows[e.key] = [count + e.count / steps, total + us / steps]
+    kernels = sorted(({"name": k, "launches": c, "us": t, "kind": kind_of(k)} for k, (c, t) in rows.items()),
+                     key=lambda r: -r["us"])
+    kinds: dict[str, dict[str, float]] = {}
+    for r in kernels:
+        k = kinds.setdefault(r["kind"], {"launches": 0.0, "us": 0.0})
+        k["launches"] += r["launches"]
+        k["us"] += r["us"]
+    return {"kernels": kernels, "kinds": kinds, "total_us": sum(r["us"] for r in kernels),
+            "launches": sum(r["launches"] for r in kernels)}
+
+
+@contextlib.contextmanager
+def variant(name: str, device: torch.device) -> Iterator[None]:
+    """The target's kernels as VARIANTS[name] says, restored afterwards."""
+    fused, gemv_rows, tiles, blas = VARIANTS[name]
+    saved = (residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES)
+    saved_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES = fused, gemv_rows, tiles
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(blas)
+    try:
+        yield
+    finally:
+        residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES = saved
+        if saved_blas is not None:
+            torch.backends.cuda.preferred_blas_library(saved_blas)
+
+
+# -- the parts -------------------------------------------------------------------------------------
+def projections(engine: Engine) -> list[tuple[str, int, int]]:
+    """(name, K, N) of the target's GEMMs: fused q/k/v, o, fused gate/up, down, the head."""
+    c = engine.target.config
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return [("qkv", c.hidden_size, qkv), ("o", c.num_attention_heads * c.head_dim, c.hidden_size),
+            ("gate_up", c.hidden_size, 2 * c.intermediate_size), ("down", c.intermediate_size, c.hidden_size),
+            ("lm_head", c.hidden_size, c.vocab_size)]
+
+
+def gemm_bench(engine: Engine, bw: float, rows: tuple[int, ...] = (1, 9, 32)) -> list[dict[str, Any]]:
+    """Each projection at each row count: cuBLAS, cuBLASLt and the Triton kernel's tilings (ms, GB/s read)."""
+    device, dtype = engine.device, engine.target.dtype
+    out = []
+    for name, k, n in projections(engine):
+        nbytes = k * n * dtype.itemsize
+        copies = max(2, -(-L2_MISS_BYTES // nbytes)) if device.type == "cuda" else 1
+        weights = [torch.empty(n, k, dtype=dtype, device=device).normal_(0, 0.02) for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            row: dict[str, Any] = {"gemm": name, "k": k, "n": n, "rows": m, "floor_ms": 1000 * nbytes / bw, "ms": {}}
+            cands = _gemm_candidates(x, weights, triton_tiles=m <= 16 and dtype != torch.float32
+                                     and device.type == "cuda")
+            for label, fn in cands.items():
+                try:
+                    row["ms"][label] = _blas_replay(fn, label, device).time(10) / copies
+                except Exception as err:  # a tiling the compiler refuses is a row entry, not a stop
+                    row["ms"][label] = None
+                    row.setdefault("errors", {})[label] = repr(err)[:200]
+            best = min((v, k_) for k_, v in row["ms"].items() if v is not None)
+            row["best"] = best[1]
+            out.append(row)
+            print(f"  gemm {name:8} K {k:6} N {n:6} rows {m:3}: " + "  ".join(
+                f"{lab} {v * 1000:.1f}us" for lab, v in row["ms"].items() if v is not None)
+                  + f"  (floor {row['floor_ms'] * 1000:.1f}us)", flush=True)
+        del weights
+    return out
+
+
+def _gemm_candidates(x: torch.Tensor, weights: list[torch.Tensor], triton_tiles: bool) -> dict[str, Callable[[], Any]]:
+    """label -> x @ w.T over every weight copy: cuBLAS, cuBLASLt (chosen at capture), the Triton tilings."""
+    def blas() -> list[torch.Tensor]:
+        return [F.linear(x, w) for w in weights]
+
+    def tiled(tiles: tuple[int, int, int] | None) -> Callable[[], Any]:
+        bn, bk, nw = tiles or (None, None, 4)
+        return lambda: [fused_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in weights]
+
+    cands: dict[str, Callable[[], Any]] = {"cublas": blas, "cublaslt": blas}
+    if triton_tiles:
+        for tiles in TILINGS:
+            cands["triton " + ("default" if tiles is None else "{}x{}/{}w".format(*tiles))] = tiled(tiles)
+    return cands
+
+
+def _blas_replay(fn: Callable[[], Any], label: str, device: torch.device) -> Replay:
+    """Capture fn with cuBLAS or cuBLASLt preferred when the label names one (the choice is read at call time)."""
+    if device.type != "cuda" or label not in ("cublas", "cublaslt"):
+        return Replay(fn, device)
+    saved = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(label)
+    try:
+        return Replay(fn, device)
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
+
+
+def forward_step(engine: Engine, bs: int, q: int, context: int) -> Callable[[], Any]:
+    """One target forward of q tokens per row over a cached random context (q = 1: an AR step; q > 1: a
+    verify of a q-token chain, with the drafter's taps), writing K/V past the context and never advancing."""
+    target = engine.target
+    cache = target.new_cache(bs, context + q)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lengths.fill_(context)
+    gen = torch.Generator(device=engine.device).manual_seed(bs * 1000 + q)
+    ids = torch.randint(0, engine.vocab_size, (bs, q), device=engine.device, generator=gen)
+    pos = (context + torch.arange(q, device=engine.device))[None].expand(bs, q).contiguous()
+    taps = engine.tap_layers if q > 1 else None
+
+    def run() -> Any:
+        return target.forward(ids, pos, cache, tap_layers=taps, attention=engine.attention)
+
+    run.cache = cache  # type: ignore[attr-defined]  # kept alive with the closure
+    return run
+
+
+def forward_part(engine: Engine, context: int, batches: list[int], variants: list[str],
+                 profile_variants: list[str]) -> list[dict[str, Any]]:
+    """The target's forward (AR step, b8 verify) per batch and variant: replay ms; kernel tables where asked."""
+    rows = []
+    for bs in batches:
+        for q in (1, 9):
+            for name in variants:
+                with variant(name, engine.device), torch.inference_mode():
+                    replay = Replay(forward_step(engine, bs, q, context), engine.device)
+                    row: dict[str, Any] = {"bs": bs, "q": q, "variant": name, "ms": replay.time()}
+                    if name in profile_variants:
+                        row["profile"] = kernel_table(replay, engine.device)
+                        if not row["profile"]["kernels"]:  # no kernels seen inside the replay: profile it eagerly
+                            row["profile"] = kernel_table(replay.fn, engine.device)
+                            row["profile"]["eager"] = True
+                del replay
+                _free(engine.device)
+                rows.append(row)
+                print(f"  forward bs {bs:2} q {q}: {name:20} {row['ms']:.3f} ms", flush=True)
+    return rows
+
+
+def engine_rounds(engine: Engine, config: str, bs: int, context: int, steps: int = 12, warmup: int = 4,
+                  profile: bool = False) -> dict[str, Any]:
+    """Median ms of a graphed engine round (DecodeBatch.step: the round's graph and its one host sync)."""
+    spec = SpecConfig.from_id(config)
+    new = (warmup + steps + 8) * max(spec.block_size, 1)
+    batch = engine.open_batch(spec, bs, max_len=context + new + spec.max_nodes + 8)
+    gen = torch.Generator().manual_seed(bs)
+    prompts = torch.randint(0, engine.vocab_size, (bs, context), generator=gen).tolist()
+    with torch.inference_mode():
+        batch.add_many([Request(str(i), p, new, ignore_eos=True) for i, p in enumerate(prompts)])
+        for _ in range(warmup):
+            batch.step()
+        times = []
+        for _ in range(steps):
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            batch.step()
+            times.append(1000 * (time.perf_counter() - t0))
+        out: dict[str, Any] = {"config": spec.id, "bs": bs, "ms": statistics.median(times), "ms_runs": times}
+        if profile:
+            out["profile"] = kernel_table(batch.step, engine.device, steps=3)
+    batch.clear()
+    del batch
+    _free(engine.device)
+    return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rounds_part(engine: Engine, context: int, batches: list[int], variants: list[str],
+                tree_configs: list[str], profile_variant: str) -> list[dict[str, Any]]:
+    rows = []
+    for name in variants:
+        with variant(name, engine.device):
+            for bs in batches:
+                configs = ["ar", "b8-k4-w2048-bs8"] if (name != profile_variant or bs == 1) else ["ar", *tree_configs]
+                for config in configs:
+                    r = engine_rounds(engine, config, bs, context, profile=name == profile_variant and bs == 1)
+                    r["variant"] = name
+                    rows.append(r)
+                    print(f"  round {name:20} bs {bs:2} {config:18} {r['ms']:.3f} ms", flush=True)
+    return rows
+
+
+def peer_part(shape: str, device: torch.device, dtype: torch.dtype, context: int, steps: int = 32) -> dict[str, Any]:
+    """transformers' Qwen3ForCausalLM of the same shape (random weights, sdpa): ms per decode step at batch 1,
+    by generate with a static cache (eager), and as one captured decode step where the capture works."""
+    out: dict[str, Any] = {}
+    try:
+        import transformers
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError as err:
+        return {"error": f"transformers is not installed: {err}"}
+    s = shape_of(shape)
+    vocab = s.vocab if s.vocab is not None else 4096
+    out["transformers"] = transformers.__version__
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      head_dim=s.head_dim, max_position_embeddings=max(s.max_context, context + 2 * steps + 64),
+                      tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            held = [Qwen3ForCausalLM(cfg).eval()]
+    finally:
+        torch.set_default_dtype(default)
+    model = held[0]
+    prompt = torch.randint(0, vocab, (1, context), device=device)
+
+    def gen(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           cache_implementation="static", pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    try:
+        gen(4)
+        short = statistics.median(gen(4) for _ in range(3))
+        long = statistics.median(gen(4 + steps) for _ in range(3))
+        out["generate_static_ms"] = 1000 * (long - short) / steps
+        print(f"  peer generate (static cache, eager): {out['generate_static_ms']:.3f} ms/step", flush=True)
+    except Exception as err:
+        out["generate_error"] = repr(err)[:400]
+    try:
+        out["graph_step_ms"] = _peer_graph_step(model, cfg, prompt, device, context)
+        print(f"  peer decode step as a CUDA graph: {out['graph_step_ms']:.3f} ms", flush=True)
+    except Exception as err:
+        out["graph_error"] = repr(err)[:400]
+        print(f"  peer graph step failed: {out['graph_error']}", flush=True)
+    held.clear()
+    _free(device)
+    return out
+
+
+def _peer_graph_step(model, cfg, prompt: torch.Tensor, device: torch.device, context: int) -> float:
+    from transformers import StaticCache
+
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    cache = StaticCache(config=cfg, max_cache_len=context + 64)
+    params = inspect.signature(model.model.forward).parameters
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        ids = prompt[:, -1:].clone()
+        pos = torch.full((1, 1), context, dtype=torch.long, device=device)
+        kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos, "past_key_values": cache, "use_cache": True}
+        if "cache_position" in params:
+            kwargs["cache_position"] = pos[0]
+        replay = Replay(lambda: model(**kwargs).logits, device)
+        return replay.time()
+
+
+# -- report ----------------------------------------------------------------------------------------
+def format_markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [f"{meta['device_name']}, torch {meta['torch']}, {meta['date']}, context {meta['context']}; copy "
+             f"bandwidth {meta['copy_gbps']:.0f} GB/s (read + write). RANDOM WEIGHTS.", "", f"`{meta['command']}`", ""]
+    for shape, part in report["shapes"].items():
+        b = part["bytes"]["1"]
+        lines += [f"### {shape}: {part['label']}", "",
+                  f"Target weights {b['target_weights'] / 1e9:.2f} GB (floor {part['floor_ms']['target_1']:.3f} ms); "
+                  f"drafter + shared head {b.get('drafter_weights', 0) / 1e9:.2f} GB; KV at batch 1 "
+                  f"{b['target_kv'] / 1e6:.0f} MB, at 32 {part['bytes']['32']['target_kv'] / 1e9:.2f} GB.", ""]
+        if part.get("forward"):
+            lines += ["| batch | q | variant | forward ms | floor ms (weights + KV) | x floor |", "|---:|---:|---|---:|---:|---:|"]
+            for r in part["forward"]:
+                fl = part["floor_ms"][f"target_kv_{r['bs']}"]
+                lines.append(f"| {r['bs']} | {r['q']} | {r['variant']} | {r['ms']:.3f} | {fl:.3f} | {r['ms'] / fl:.2f} |")
+            lines.append("")
+            for r in part["forward"]:
+                if "profile" in r:
+                    lines += _profile_md(r, part["layers"])
+        if part.get("rounds"):
+            lines += ["| variant | batch | config | round ms | / AR step | floor ms |", "|---|---:|---|---:|---:|---:|"]
+            ar = {(r["variant"], r["bs"]): r["ms"] for r in part["rounds"] if r["config"] == "ar"}
+            for r in part["rounds"]:
+                key = "target_kv_" if r["config"] == "ar" else "round_kv_"
+                fl = part["floor_ms"].get(f"{key}{r['bs']}", float("nan"))
+                lines.append(f"| {r['variant']} | {r['bs']} | {r['config']} | {r['ms']:.3f} | "
+                             f"{r['ms'] / ar[(r['variant'], r['bs'])]:.3f} | {fl:.3f} |")
+            lines.append("")
+        if part.get("gemm"):
+            labels = sorted({k for r in part["gemm"] for k in r["ms"]})
+            lines += ["| gemm | K | N | rows | floor us | " + " | ".join(labels) + " |",
+                      "|---|---:|---:|---:|---:|" + "---:|" * len(labels)]
+            for r in part["gemm"]:
+                cells = [("-" if r["ms"].get(k) is None else f"{1000 * r['ms'][k]:.1f}") for k in labels]
+                lines.append(f"| {r['gemm']} | {r['k']} | {r['n']} | {r['rows']} | {1000 * r['floor_ms']:.1f} | "
+                             + " | ".join(cells) + " |")
+            lines.append("")
+        if part.get("peer"):
+            lines += [f"Peer (transformers {part['peer'].get('transformers', '?')}, Qwen3ForCausalLM, sdpa): "
+                      + json.dumps({k: v for k, v in part["peer"].items() if k != "transformers"}), ""]
+    return "\n".join(lines) + "\n"
+
+
+def _profile_md(row: dict[str, Any], n_layers: int) -> list[str]:
+    prof = row["profile"]
+    lines = [f"Kernels of the batch-{row['bs']} q={row['q']} forward ({row['variant']}): {prof['launches']:.0f} launches, "
+             f"{prof['total_us']:.0f} us of kernels in a {1000 * row['ms']:.0f} us replay.", "",
+             "| kind | launches | us / step | us / layer | share |", "|---|---:|---:|---:|---:|"]
+    for kind, k in sorted(prof["kinds"].items(), key=lambda kv: -kv[1]["us"]):
+        lines.append(f"| {kind} | {k['launches']:.0f} | {k['us']:.1f} | {k['us'] / n_layers:.2f} | "
+                     f"{100 * k['us'] / max(prof['total_us'], 1e-9):.0f}% |")
+    return lines + [""]
+
+
+def _guarded(part: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    """Run one part; a failure is recorded in the report (and printed) and the next part still runs."""
+    try:
+        fn()
+    except Exception as err:  # one call on a lent device: keep what the other parts measure
+        import traceback
+
+        part.setdefault("errors", {})[name] = traceback.format_exc()[-1500:]
+        print(f"  {name} FAILED: {err!r}", flush=True)
+
+
+def _peer_into(part: dict[str, Any], shape: str, device: torch.device, dtype: torch.dtype, context: int) -> None:
+    part["peer"] = peer_part(shape, device, dtype, context)
+
+
+def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Namespace, shape: str) -> None:
+    if name == "gemm":
+        part["gemm"] = gemm_bench(engine, part["bandwidth"])
+    elif name == "forward":
+        profiled = [args.default_variant, "torch ops"] if "torch ops" in args.variants else [args.default_variant]
+        part["forward"] = forward_part(engine, args.context, args.batches, args.variants, profiled)
+    else:
+        part["rounds"] = rounds_part(engine, args.context, args.batches, args.variants, TREE_CONFIGS,
+                                     args.default_variant)
+        target = engine.target
+        for layers_ in args.draft_layers[1:]:  # extra drafter depths: AR and b8-k4 at batch 1
+            engine.drafter = None
+            _free(engine.device)
+            other = Engine(target, random_drafter(target, shape, draft_layers=layers_))
+            with variant(args.default_variant, engine.device):
+                for config in ("ar", "b8-k4-w2048-bs8"):
+                    r = engine_rounds(other, config, 1, args.context)
+                    r["variant"] = f"{args.default_variant}, {layers_}-layer drafter"
+                    part["rounds"].append(r)
+                    print(f"  round {r['variant']} bs 1 {config} {r['ms']:.3f} ms", flush=True)
+            del other
+
+
+# -- entry -----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.real_width", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--default-variant", default=DEFAULT_VARIANT, choices=list(VARIANTS),
+                   help="the variant profiled and run over every tree size")
+    p.add_argument("--parts", nargs="+", default=["gemm", "forward", "rounds", "peer"],
+                   choices=["gemm", "forward", "rounds", "peer"])
+    p.add_argument("--draft-layers", nargs="+", type=int, default=[2],
+                   help="drafter depths; the first is the main one, others add AR / b8-k4 rows at batch 1")
+    p.add_argument("--out-dir", type=Path, default=Path("real_width"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    bw = copy_bandwidth(device)
+    report: dict[str, Any] = {"meta": {
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m ddtree.bench.real_width", *argv]), "context": args.context,
+        "copy_gbps": bw / 1e9}, "shapes": {}}
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+
+    def write() -> None:
+        (args.out_dir / "real_width.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out_dir / "real_width.md").write_text(format_markdown(report))
+
+    for shape in args.shapes:
+        target, drafter = random_models(shape, device=device, dtype=dtype, draft_layers=args.draft_layers[0])
+        engine = Engine(target, drafter)
+        n = sum(p.numel() for p in target.parameters())
+        part: dict[str, Any] = {"label": f"RANDOM WEIGHTS, {n / 1e9:.2f}B-parameter target, {args.draft_layers[0]}-layer "
+                                f"drafter", "layers": target.config.num_hidden_layers, "bytes": {}, "floor_ms": {}}
+        part["bandwidth"] = bw
+        report["shapes"][shape] = part
+        for bs in sorted({1, 32, *args.batches}):
+            b = step_bytes(engine, bs, args.context)
+            part["bytes"][str(bs)] = b
+            part["floor_ms"][f"target_{bs}"] = 1000 * b["target_weights"] / bw
+            part["floor_ms"][f"target_kv_{bs}"] = 1000 * (b["target_weights"] + b["target_kv"]) / bw
+            part["floor_ms"][f"round_kv_{bs}"] = 1000 * sum(b.values()) / bw
+        print(f"{shape}: {part['label']}; floors {json.dumps({k: round(v, 3) for k, v in part['floor_ms'].items()})}",
+              flush=True)
+        for name in ("gemm", "forward", "rounds"):
+            if name in args.parts:
+                _guarded(part, name, functools.partial(_run_part, name, part, engine, args, shape))
+                write()
+        engine.drafter = drafter = None
+        del engine, target
+        _free(device)
+        if "peer" in args.parts:
+            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context))
+            _free(device)
+            write()
+    write()
+    print(format_markdown(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
