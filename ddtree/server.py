@@ -17,9 +17,11 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -28,7 +30,8 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.serving.api import install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
-from ddtree.serving.state import READY_LINE, EngineLike, ServerState
+from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, freeze_heap
+from ddtree.serving.state import READY_LINE, EngineLike, ServerState, open_scheduler
 from ddtree.text import TextCodec, load_tokenizer
 
 __all__ = ["READY_LINE", "build_parser", "create_app", "init_line", "main"]
@@ -48,13 +51,17 @@ def init_line(spec: SpecConfig) -> str:
 
 
 def create_app(
-    engine: EngineLike, spec: SpecConfig, args: ServerArgs, codec: TextCodec | None = None
+    engine: EngineLike | EngineInfo, spec: SpecConfig, args: ServerArgs, codec: TextCodec | None = None,
+    scheduler: EngineProcess | None = None,
 ) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the scheduler thread and the warm-up."""
-    state = ServerState(engine, spec, args, codec)
+    """An app serving `engine`: run by a scheduler thread of this process, or by `scheduler`, the engine process
+    that runs it (then `engine` is what that process reported). Its lifespan starts either and the warm-up."""
+    state = ServerState(engine, spec, args, codec, scheduler)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if scheduler is not None:
+            freeze_heap()  # this process only serves from now on (see freeze_heap)
         state.start()
         warm_up = asyncio.create_task(state.warm_up())
         try:
@@ -105,7 +112,7 @@ class _DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(),
         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
@@ -122,16 +129,9 @@ def _torch_dtype(name: str) -> object | None:
     return getattr(torch, name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = resolve_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or a malformed flag (2, message already printed)
-        return int(exc.code or 0)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    _setup_logging(args.log_level)
-    spec = args.spec
+def load_engine(args: ServerArgs) -> tuple[Any, int]:
+    """The engine the flags name and the context it serves (in the engine process). ModelLoadError: exit 1;
+    ConfigError (its message names the flag): exit 2."""
     from ddtree.engine import Engine
 
     try:
@@ -139,31 +139,35 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path, args.speculative_draft_model_path, device=args.device, dtype=_torch_dtype(args.dtype),
             attention=args.attention_backend, cuda_graphs=False if args.disable_cuda_graph else None,
         )
-        codec = load_tokenizer(args.model_path)
-    except ModelLoadError as err:
-        log.error("%s", err)
-        return 1
     except ConfigError as err:  # e.g. --attention-backend triton without the triton package
-        print(f"error: --attention-backend: {err}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--attention-backend: {err}") from err
     log.info("Decode path: attention=%s, cuda_graphs=%s", engine.attention, engine.cuda_graphs)
     if args.context_length is not None and args.context_length > engine.max_context:
-        print(f"error: --context-length: {args.context_length} exceeds the engine's limit {engine.max_context}", file=sys.stderr)
-        return 2
-    if spec.auto_budget and args.speculative_ddtree_cost_profile:
+        raise ConfigError(f"--context-length: {args.context_length} exceeds the engine's limit {engine.max_context}")
+    if args.spec.auto_budget and args.speculative_ddtree_cost_profile:
         from ddtree.budget import VerifyCostModel
 
-        try:
-            engine.cost_model = VerifyCostModel.load(args.speculative_ddtree_cost_profile)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        engine.cost_model = VerifyCostModel.load(args.speculative_ddtree_cost_profile)
+    return engine, args.context_length or engine.max_context
+
+
+def start_engine(load: Callable[[], tuple[Any, int]], args: ServerArgs) -> EngineProcess:
+    """Fork the engine process (before this one starts a thread or touches CUDA); `load` runs there."""
+    return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), args.log_level)
+
+
+def serve(engine: EngineProcess, args: ServerArgs, codec: TextCodec | None) -> int:
+    """Wait for the engine process, then serve until SIGTERM; the exit status of `main`."""
     try:
-        app = create_app(engine, spec, args, codec)  # opens the batch: the engine checks the spec
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    log.info(init_line(spec))
+        info = engine.wait_loaded()
+    except EngineStartError as err:
+        if err.exit_code == 2:
+            print(f"error: {err}", file=sys.stderr)
+        else:
+            log.error("%s", err)
+        return err.exit_code
+    app = create_app(info, args.spec, args, codec, scheduler=engine)
+    log.info(init_line(args.spec))
     state: ServerState = app.state.ddtree
     config = uvicorn.Config(
         app,
@@ -175,10 +179,32 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
     )
     server = _DrainingServer(config, state, args.drain_timeout)
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.stop()
     if state.fatal is not None:
-        return 1  # the warm-up failure is already logged
+        return 1  # the warm-up failure or the engine's death is already logged
     return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = resolve_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a malformed flag (2, message already printed)
+        return int(exc.code or 0)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level)
+    engine = start_engine(partial(load_engine, args), args)
+    try:
+        codec = load_tokenizer(args.model_path)  # while the engine loads
+    except ModelLoadError as err:
+        log.error("%s", err)
+        engine.stop()
+        return 1
+    return serve(engine, args, codec)
 
 
 if __name__ == "__main__":

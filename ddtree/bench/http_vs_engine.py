@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -267,10 +268,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def serve_emulated(argv: list[str]) -> int:
     """`python -m ddtree.bench.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
-    server (routes, scheduler, text) in front of an EmulatedEngine."""
-    import uvicorn
-
-    from ddtree.server import create_app
+    server (routes, engine process, scheduler, text) in front of an EmulatedEngine."""
+    from ddtree.server import serve, setup_logging, start_engine
     from ddtree.serving.args import resolve_args
     from ddtree.text import load_tokenizer
 
@@ -280,12 +279,18 @@ def serve_emulated(argv: list[str]) -> int:
     p.add_argument("--tokens-per-round", type=int, required=True)
     ns, rest = p.parse_known_args(argv)
     args = resolve_args(rest)
+    setup_logging(args.log_level)
+    engine = start_engine(partial(_emulated_engine, args, ns.round_ms, ns.prefill_ms, ns.tokens_per_round), args)
+    return serve(engine, args, load_tokenizer(args.model_path))
+
+
+def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_round: int) -> tuple[EmulatedEngine, int]:
+    from ddtree.text import load_tokenizer
+
     codec = load_tokenizer(args.model_path)
     vocab = codec.vocab_size if codec is not None else 32000
-    engine = EmulatedEngine(vocab, 8192, ns.round_ms / 1000, ns.prefill_ms / 1000, ns.tokens_per_round)
-    app = create_app(engine, args.spec, args, codec)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on")
-    return 0
+    engine = EmulatedEngine(vocab, 8192, round_ms / 1000, prefill_ms / 1000, tokens_per_round)
+    return engine, args.context_length or engine.max_context
 
 
 class EmulatedBackend(LocalBackend):

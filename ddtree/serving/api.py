@@ -21,6 +21,7 @@ from ddtree.errors import RequestError
 from ddtree.serving.args import read_config
 from ddtree.serving.openai_api import install_openai_routes
 from ddtree.serving.replies import (
+    FastJSONResponse,
     Reply,
     collect,
     error_response,
@@ -170,6 +171,6 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
 
             return sse_response(state, pairs, chunks())
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
-        return JSONResponse(payloads if as_list else payloads[0])
+        return FastJSONResponse(payloads if as_list else payloads[0])
 
     install_openai_routes(app, state, read_body)

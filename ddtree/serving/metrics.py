@@ -59,8 +59,8 @@ class ServerMetrics:
                 self._last_throughput = self._window_tokens / self._window_time
                 self._window_tokens, self._window_time = 0, 0.0
 
-    def record_outcome(self, outcome: str) -> None:
-        self.requests.labels(outcome=outcome).inc()
+    def record_outcome(self, outcome: str, count: int = 1) -> None:
+        self.requests.labels(outcome=outcome).inc(count)
 
     def set_load(self, running: int, queued: int) -> None:
         self.running.set(running)

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ddtree.errors import RequestError
 from ddtree.serving.chat import TemplateError, load_chat_template
-from ddtree.serving.replies import Reply, collect, follow_all, sse, sse_response, submit_all
+from ddtree.serving.replies import FastJSONResponse, Reply, collect, follow_all, sse, sse_response, submit_all
 from ddtree.serving.state import ServerState
 from ddtree.serving.validation import (
     ENGINE_FIELDS,
@@ -320,7 +320,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             extra: dict[str, Any] = {"spec_tokens_details": _spec_details(replies[0])}
             if kind == "text_completion":
                 extra["output_ids"] = list(replies[0].ids)
-            return JSONResponse(dict(base, choices=choices, usage=_sum_usage(replies), sglext=extra))
+            return FastJSONResponse(dict(base, choices=choices, usage=_sum_usage(replies), sglext=extra))
         updates = await follow_all(state, pairs)
         replies = [reply for _, reply in pairs]
 

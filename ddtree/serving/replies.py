@@ -10,10 +10,10 @@ all of it.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -25,6 +25,13 @@ from ddtree.serving.validation import Job
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class FastJSONResponse(JSONResponse):
+    """A JSON answer encoded by orjson (several times json's speed on a list of output ids)."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
 def error_response(status: int, message: str, field: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status_code=status)
 
@@ -34,20 +41,45 @@ def error_chunk(err: RequestError) -> str:
 
 
 def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+    return f"data: {orjson.dumps(data).decode()}\n\n"
 
 
 class EventStream(StreamingResponse):
-    """SSE response that runs `on_close` however it ends: finished, client gone, or server stopping."""
+    """SSE response that runs `on_close` however it ends: finished, client gone, or server stopping.
+
+    Starlette streams and listens for the client's disconnect in an anyio task group, which cost ~0.2-0.6 ms
+    before a stream's first chunk on a 2-core machine (most of a request's time to first token beyond the
+    engine's); here one plain asyncio task listens and cancels the stream when the client goes.
+    """
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        active, gone = True, False
+
+        async def listen() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if active and streaming is not None:
+                gone = True
+                streaming.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()  # type: ignore[union-attr]  # the client left: a normal end of this response
+        except OSError:
+            pass  # the client left while a chunk was being written
         finally:
+            active = False
+            listener.cancel()
             self._on_close()
 
 

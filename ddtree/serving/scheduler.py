@@ -62,6 +62,16 @@ class DecodeBatchLike(Protocol):
     def cancel(self, request_id: str) -> object: ...
 
 
+class Recorder(Protocol):
+    """What the scheduler records into: ServerMetrics, or the engine process's MetricsRelay."""
+
+    def record_admitted(self, prompt_tokens: int) -> None: ...
+    def record_progress(self, new_tokens: int, new_verify_steps: int, accepted_drafts: int) -> None: ...
+    def record_round(self, tokens: int, seconds: float) -> None: ...
+    def record_outcome(self, outcome: str) -> None: ...
+    def set_load(self, running: int, queued: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class Failure:
     """A request the batch refused or lost; the server turns it into a 4xx/5xx or an abort chunk."""
@@ -99,7 +109,7 @@ class Scheduler:
     """Run `batch` on a background thread, at most `max_running` requests at a time."""
 
     def __init__(
-        self, batch: DecodeBatchLike, max_running: int, metrics: ServerMetrics | None = None,
+        self, batch: DecodeBatchLike, max_running: int, metrics: Recorder | None = None,
         deliver: Deliver = deliver_inline, warm_token: int | None = None,
         switch_interval_s: float | None = SWITCH_INTERVAL_S,
     ) -> None:
@@ -107,7 +117,7 @@ class Scheduler:
         None leaves the process's GIL switch interval alone."""
         self.batch = batch
         self.max_running = max_running
-        self.metrics = metrics or ServerMetrics()
+        self.metrics: Recorder = metrics or ServerMetrics()
         self.deliver = deliver
         self.warm_token = warm_token
         self.switch_interval_s = switch_interval_s
@@ -142,7 +152,9 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request: Request, sink: Sink, counted: bool = True) -> None:
+    def submit(self, request: Request, sink: Sink, counted: bool = True, eager: bool = True) -> None:
+        """Queue `request`; its events go to `sink`. eager: whether its consumer wants every round (a stream)
+        or only the end; the engine process's relay holds lazy requests' rounds longer."""
         with self._cond:
             if self._stop:
                 raise RequestError("server is shutting down", status_code=503)
@@ -179,6 +191,14 @@ class Scheduler:
         with self._cond:
             return len(self._pending)
 
+    def budget_state(self) -> tuple[int, float] | None:
+        """Budget auto's last chosen tree size and its mean since start; None for a fixed budget."""
+        batch = self.batch
+        rounds = getattr(batch, "budget_rounds", 0)
+        if not rounds:
+            return None
+        return batch.last_budget, batch.budget_total / rounds  # type: ignore[attr-defined]
+
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
         self._warm_up()
@@ -194,6 +214,7 @@ class Scheduler:
             for request_id in cancels:
                 self._cancel_running(request_id)
             self._admit_all(admit)
+            self._flush()  # first tokens leave before the round, not after it (TTFT)
             self.metrics.set_load(len(self._running), len(self._pending))
             if self._running:
                 self._round()

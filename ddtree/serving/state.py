@@ -22,8 +22,18 @@ from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
 from ddtree.serving.args import ServerArgs
+from ddtree.serving.engine_process import EngineInfo, EngineProcess
 from ddtree.serving.metrics import ServerMetrics
-from ddtree.serving.scheduler import SWITCH_INTERVAL_S, DecodeBatchLike, Event, Failure, Scheduler, Sink
+from ddtree.serving.scheduler import (
+    SWITCH_INTERVAL_S,
+    DecodeBatchLike,
+    Deliver,
+    Event,
+    Failure,
+    Recorder,
+    Scheduler,
+    Sink,
+)
 from ddtree.serving.validation import Limits, new_rid
 from ddtree.text import TextCodec
 
@@ -190,28 +200,31 @@ class ServerState:
     """The served model and everything the routes share."""
 
     def __init__(
-        self, engine: EngineLike, spec: SpecConfig, args: ServerArgs, codec: TextCodec | None = None
+        self, engine: EngineLike | EngineInfo, spec: SpecConfig, args: ServerArgs, codec: TextCodec | None = None,
+        scheduler: EngineProcess | None = None,
     ) -> None:
+        """engine: the model, run by a Scheduler thread in this process; or, with `scheduler` (the engine
+        process that runs it), only what it reported of itself."""
         self.engine = engine
         self.spec = spec
         self.args = args
         self.codec = codec
         self.context_length = args.context_length or engine.max_context
         self.limits = Limits(self.context_length, engine.vocab_size, codec)
-        self.metrics = ServerMetrics()
-        # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
-        batch = engine.open_batch(spec, args.max_running_requests, self.context_length + spec.max_nodes)
-        warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
-        # A shorter GIL switch interval pays where a round waits on the GPU with the GIL released; on the
-        # CPU the round itself needs the GIL, and forced switches slowed the smoke sweep's cells by ~25%.
-        on_gpu = getattr(getattr(engine, "device", None), "type", None) == "cuda"
-        self.scheduler = Scheduler(batch, args.max_running_requests, self.metrics, deliver=self._deliver,
-                                   warm_token=warm_token, switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None)
         self._loop: asyncio.AbstractEventLoop | None = None
+        if scheduler is None:
+            metrics = ServerMetrics()
+            self.scheduler: Scheduler | EngineProcess = open_scheduler(
+                engine, self.context_length, metrics, self._deliver, spec=spec, args=args)  # type: ignore[arg-type]
+            self.metrics = metrics
+        else:
+            self.scheduler = scheduler
+            self.metrics = scheduler.metrics
+            scheduler.on_death = self._engine_died
         self._open_streams = 0  # streaming requests not yet finished (they share STREAM_CHUNKS_PER_S)
         self.ready = False
         self.draining = False
-        self.fatal: str | None = None  # set when warm-up fails; the process exits with status 1
+        self.fatal: str | None = None  # set when warm-up fails or the engine dies; the process exits with status 1
         self.started_at = time.time()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -219,6 +232,9 @@ class ServerState:
         """Start the scheduler thread; called on the event loop that will serve (its events go there)."""
         self._loop = asyncio.get_running_loop()
         self.scheduler.start()
+
+    def _engine_died(self, reason: str) -> None:
+        self.fatal = reason
 
     def _deliver(self, items: list[tuple[Sink, Event]]) -> None:
         """The scheduler thread's events of one iteration, onto the loop in one hop."""
@@ -262,7 +278,7 @@ class ServerState:
             out = RequestStream(request, asyncio.get_running_loop(), pace=self._stream_pace, on_done=self._stream_done)
             self._open_streams += 1
         try:
-            self.scheduler.submit(request, out.push, counted)
+            self.scheduler.submit(request, out.push, counted, eager=stream)
         except RequestError:
             if stream:
                 self._stream_done()
@@ -308,11 +324,23 @@ class ServerState:
                 "queued_requests": self.scheduler.queued,
             }
         ]
-        batch = self.scheduler.batch
-        if self.spec.auto_budget and getattr(batch, "budget_rounds", 0):  # the budget chosen per round
-            info["internal_states"][0] |= {"last_spec_budget": batch.last_budget,
-                                           "avg_spec_budget": batch.budget_total / batch.budget_rounds}
+        budget = self.scheduler.budget_state() if self.spec.auto_budget else None
+        if budget is not None:  # the budget chosen per round
+            info["internal_states"][0] |= {"last_spec_budget": budget[0], "avg_spec_budget": budget[1]}
         return info
+
+
+def open_scheduler(engine: EngineLike, context_length: int, metrics: Recorder, deliver: Deliver, *,
+                   spec: SpecConfig, args: ServerArgs) -> Scheduler:
+    """The batch the server serves and the Scheduler that runs it (in this process, or in the engine process)."""
+    # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
+    batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+    warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
+    # A shorter GIL switch interval pays where a round waits on the GPU with the GIL released; on the
+    # CPU the round itself needs the GIL, and forced switches slowed the smoke sweep's cells by ~25%.
+    on_gpu = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+    return Scheduler(batch, args.max_running_requests, metrics, deliver=deliver, warm_token=warm_token,
+                     switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None)
 
 
 def _push_all(items: list[tuple[Sink, Event]]) -> None:

