@@ -357,6 +357,7 @@ class EngineProcess:
         self._sinks: dict[str, Sink] = {}
         self._status: dict[str, Any] = {}
         self._stopping = False
+        self._closed = False
         self._dead: str | None = None
 
     # -- start and stop --------------------------------------------------------------------------------
@@ -390,6 +391,8 @@ class EngineProcess:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ask the child to abort what runs and exit; terminate it if it does not."""
         self._stopping = True
+        if self._closed:
+            return
         try:
             self._send(("stop",))
         except RequestError:
@@ -403,6 +406,10 @@ class EngineProcess:
             log.warning("the engine process did not stop within %.0f s; terminating it", timeout)
             self._process.kill()
             self._process.join(5)
+        if not self._loop_reads() and not self._closed:  # a loop still running may still read the events pipe
+            self._closed = True
+            os.close(self._requests)
+            os.close(self._events)
 
     def _loop_reads(self) -> bool:
         loop = self._loop

@@ -1,0 +1,285 @@
+"""The engine process (ddtree.serving.engine_process): framing, batching of events, metrics, start-up failures,
+and what happens when either side dies. The engine is the bench's EmulatedEngine (a round is a short sleep), so
+every test forks a real child and talks to it over the real pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ddtree.serving.engine_process as ep
+from ddtree.bench.http_vs_engine import EmulatedEngine
+from ddtree.engine import Request, StepOutput
+from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.serving.args import resolve_args
+from ddtree.serving.scheduler import Failure
+from ddtree.serving.state import open_scheduler
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURE_TARGET = os.path.join(REPO, "fixtures", "models", "target")
+
+messages = st.lists(st.tuples(st.text(max_size=8), st.lists(st.integers(-2**40, 2**40), max_size=40)), max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages, st.lists(st.integers(1, 64), min_size=1, max_size=20))
+def test_frames_come_out_whole_however_the_pipe_splits_them(items: list[Any], cuts: list[int]) -> None:
+    stream = b"".join(ep.FRAME.pack(len(p)) + p for p in (pickle.dumps(m) for m in items))
+    reader, out, at, i = ep.FrameReader(), [], 0, 0
+    while at < len(stream):
+        step = cuts[i % len(cuts)]
+        out += reader.feed(stream[at:at + step])
+        at, i = at + step, i + 1
+    assert out == items
+
+
+def test_write_frame_and_read_frames_round_trip_through_a_pipe() -> None:
+    r, w = os.pipe()
+    big = list(range(100_000))  # larger than a pipe's buffer: written in pieces
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the writer
+            os.close(r)
+            ep.write_frame(w, ("a", 1))
+            ep.write_frame(w, ("big", big))
+            os._exit(0)
+        os.close(w)
+        assert list(ep.read_frames(r)) == [("a", 1), ("big", big)]
+        os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+
+
+# -- a forked engine -----------------------------------------------------------------------------------
+
+
+def _args(spec: str = "ar", **flags: Any) -> Any:
+    argv = ["--model-path", FIXTURE_TARGET, "--max-running-requests", "4", "--device", "cpu"]
+    if spec != "ar":
+        argv += ["--speculative-algorithm", "DDTREE"]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return resolve_args(argv)
+
+
+def _emulated(round_s: float = 0.002) -> tuple[EmulatedEngine, int]:
+    return EmulatedEngine(4096, 512, round_s, 0.001, 1), 512
+
+
+def _start(load: Callable[[], tuple[Any, int]] = _emulated, args: Any = None) -> ep.EngineProcess:
+    args = args or _args()
+    return ep.EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), "warning")
+
+
+@pytest.fixture
+def engine() -> Iterator[ep.EngineProcess]:
+    proc = _start()
+    proc.wait_loaded(60)
+    yield proc
+    proc.stop()
+
+
+class Collector:
+    """Sinks that record every event per request and wake the test when `expect` requests have ended."""
+
+    def __init__(self, expect: int) -> None:
+        self.events: dict[str, list[StepOutput | Failure]] = {}
+        self.arrived: dict[str, list[float]] = {}
+        self.expect = expect
+        self.done = asyncio.Event()
+
+    def sink(self, rid: str) -> Callable[[StepOutput | Failure], None]:
+        def push(event: StepOutput | Failure) -> None:
+            self.events.setdefault(rid, []).append(event)
+            self.arrived.setdefault(rid, []).append(time.monotonic())
+            ended = sum(1 for evs in self.events.values() if isinstance(evs[-1], Failure) or evs[-1].finished)
+            if ended >= self.expect:
+                self.done.set()
+        return push
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for e in self.events[rid] if isinstance(e, StepOutput) for t in e.new_token_ids]
+
+
+def _request(rid: str, prompt: list[int], n: int) -> Request:
+    return Request(rid, prompt, n, ignore_eos=True)
+
+
+def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: ep.EngineProcess) -> None:
+    info = engine.info
+    assert info is not None and (info.vocab_size, info.context_length, info.device) == (4096, 512, "cpu")
+    prompts = {"a": [5, 6, 7], "b": [9, 10], "c": [11, 12, 13, 14]}
+
+    async def run() -> Collector:
+        engine.start()
+        got = Collector(3)
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            engine.submit(_request(rid, prompt, 12), got.sink(rid), eager=i == 0)
+        with pytest.raises(RequestError, match="already in flight"):
+            engine.submit(_request("a", [1], 2), got.sink("a"))
+        await asyncio.wait_for(got.done.wait(), 20)
+        return got
+
+    got = asyncio.run(run())
+    for rid, prompt in prompts.items():  # the emulated batch reads each prompt on, one token a round
+        assert got.tokens(rid) == [prompt[(len(prompt) + i) % len(prompt)] for i in range(12)]
+        assert got.events[rid][-1].finish_reason == "length"
+    assert engine.in_flight == 0
+    assert engine.metrics.generation_tokens._value.get() == 36  # the relayed counters
+    assert engine.metrics.prompt_tokens._value.get() == 9
+    assert engine.rounds >= 11
+
+
+def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds are held until the request ends unless it is streamed (its first token is never held)."""
+    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)  # inherited by the forked child
+    monkeypatch.setattr(ep, "EAGER_FLUSH_S", 0.0)
+    proc = _start()
+    try:
+        proc.wait_loaded(60)
+
+        async def run(eager: bool) -> float:
+            """How far apart the 2nd to 10th tokens arrived (9 rounds of >= 2 ms when sent as they come)."""
+            got = Collector(1)
+            proc.submit(_request(f"r{eager}", [3, 4], 10), got.sink("x"), eager=eager)
+            await asyncio.wait_for(got.done.wait(), 20)
+            assert len(got.tokens("x")) == 10
+            return got.arrived["x"][-1] - got.arrived["x"][1]
+
+        async def both() -> tuple[float, float]:
+            proc.start()
+            return await run(False), await run(True)
+
+        lazy, eager = asyncio.run(both())
+    finally:
+        proc.stop()
+    assert eager >= 0.015
+    assert lazy < 0.002  # one send at the end
+
+
+def test_cancel_aborts_a_running_request(engine: ep.EngineProcess) -> None:
+    async def run() -> Collector:
+        engine.start()
+        got = Collector(1)
+        engine.submit(_request("long", [1, 2], 400), got.sink("long"))
+        while "long" not in got.events:
+            await asyncio.sleep(0.005)
+        engine.cancel("long")
+        await asyncio.wait_for(got.done.wait(), 20)
+        return got
+
+    got = asyncio.run(run())
+    assert got.events["long"][-1].finish_reason == "abort"
+    assert len(got.tokens("long")) < 400
+    assert engine.metrics.requests.labels(outcome="abort")._value.get() == 1
+
+
+def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: ep.EngineProcess) -> None:
+    deaths: list[str] = []
+    engine.on_death = deaths.append
+
+    async def run() -> Collector:
+        engine.start()
+        got = Collector(2)
+        for rid in ("x", "y"):
+            engine.submit(_request(rid, [1, 2], 300), got.sink(rid))
+        while len(got.events) < 2:
+            await asyncio.sleep(0.005)
+        os.kill(engine._process.pid, signal.SIGKILL)
+        await asyncio.wait_for(got.done.wait(), 20)
+        return got
+
+    got = asyncio.run(run())
+    for rid in ("x", "y"):
+        last = got.events[rid][-1]
+        assert isinstance(last, Failure) and last.status_code == 500
+        assert "killed by SIGKILL" in last.message
+    assert deaths and "killed by SIGKILL" in deaths[0]
+    assert not engine.alive
+    with pytest.raises(RequestError) as err:
+        engine.submit(_request("z", [1], 2), lambda e: None)
+    assert err.value.status_code == 503
+
+
+def _raise(error: Exception) -> tuple[Any, int]:
+    raise error
+
+
+def _exit_hard() -> tuple[Any, int]:
+    os._exit(3)
+
+
+@pytest.mark.parametrize(("load", "code", "message"), [
+    (partial(_raise, ConfigError("--context-length: 9999 exceeds the engine's limit 512")), 2, "--context-length: 9999"),
+    (partial(_raise, ModelLoadError("target: no config.json in /nowhere")), 1, "no config.json"),
+    (partial(_raise, RuntimeError("boom")), 1, "RuntimeError: boom"),
+    (_exit_hard, 1, "exited while loading (exit code 3)"),
+])
+def test_start_up_failures_carry_the_servers_exit_status(load: Callable[[], tuple[Any, int]], code: int,
+                                                          message: str) -> None:
+    proc = _start(load)
+    try:
+        with pytest.raises(ep.EngineStartError) as err:
+            proc.wait_loaded(60)
+    finally:
+        proc.stop()
+    assert err.value.exit_code == code and message in str(err.value)
+
+
+def test_stop_ends_the_child_even_when_nothing_reads_its_events() -> None:
+    """A child whose events pipe is full would block in its last sends; stop() drains it when no loop reads."""
+    proc = _start(partial(_emulated, 0.0))
+    proc.wait_loaded(60)
+    for i in range(4):  # ~20k events, far more than a pipe holds, with nobody reading
+        proc.submit(_request(f"r{i}", [1, 2], 500), lambda e: None, eager=True)
+    time.sleep(0.5)
+    started = time.monotonic()
+    proc.stop(timeout=10)
+    assert time.monotonic() - started < 10
+    assert proc._process.exitcode == 0
+
+
+def test_the_child_dies_with_its_parent(tmp_path: Any) -> None:
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {REPO!r})
+        from tests.unit.test_engine_process import _start
+        proc = _start()
+        proc.wait_loaded(60)
+        print(proc._process.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
