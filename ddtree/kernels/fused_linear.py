@@ -35,6 +35,10 @@ Backend = Literal["auto", "triton", "reference"]
 
 # "auto" sends more rows than this to the reference: a prefill's thousands of rows are cuBLAS's ground
 MAX_KERNEL_ROWS = 512
+# ...and, over a real model's width (K >= REAL_WIDTH), more rows than this: there the kernel's small tiles
+# read the weight 1.1-2.2x slower than cuBLAS at 9 rows (H200, docs/perf.md "The engine at real width"),
+# while a launch saved is ~2 us of a 20-300 us product
+REAL_WIDTH, MAX_REAL_WIDTH_ROWS = 1024, 16
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
@@ -149,6 +153,20 @@ if triton is not None:
         tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=out_mask)
 
 
+def real_width_tiles(n_out: int, swiglu: bool) -> tuple[int, int]:
+    """(block_n, block_k) for a few-row product over a real model's width (K >= 1024): the tilings that read
+    the weight fastest on the H200 at hidden 2048 and 4096, rows 1 and 9 (docs/perf.md, "The engine at real
+    width": 16 x 256 up to 8192 weight rows, e.g. down 12288 -> 4096 40.9 against 81.9 us with the small-model
+    32 x 64; 32 x 128 for 12288-24576 rows; 64 x 128 for a 151936-row head). A SwiGLU program reads gate and
+    up rows, so it takes half the columns to read the same bytes."""
+    rows = n_out * (2 if swiglu else 1)
+    if rows <= 8192:
+        return 16, 256
+    if rows <= 32768:
+        return (16 if swiglu else 32), 128
+    return 64, 128
+
+
 def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
                         eps: float = 1e-6, residual: torch.Tensor | None = None, swiglu: bool = False,
                         block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
@@ -169,6 +187,8 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: torc
         dot = "native" if x.dtype != torch.float32 and x.is_cuda else "tf32" if x.is_cuda else "ieee"
     if dot not in DOT_MODES:
         raise ValueError(f"fused_linear: dot must be one of {sorted(DOT_MODES)}, got {dot!r}")
+    if k >= REAL_WIDTH and n_rows <= MAX_REAL_WIDTH_ROWS and block_n is None and block_k is None:
+        block_n, block_k = real_width_tiles(n_out, swiglu)
     block_k = block_k or 64
     block_m = 16 if n_rows <= 16 else 32
     # few rows: narrow column blocks, so the weight (the bytes that matter) is read by many programs at once
@@ -191,15 +211,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tenso
     [K]), SwiGLU after (weight = [gate; up], the result has N/2 columns) and residual added (the result's
     shape). Returns a new contiguous tensor in x's dtype.
 
-    backend "auto" runs the Triton kernel on CUDA tensors of at most MAX_KERNEL_ROWS rows when Triton is
-    installed and no gradient is needed, else the reference; "triton" / "reference" force one (the kernel
-    has no backward).
+    backend "auto" runs the Triton kernel on CUDA tensors of at most MAX_KERNEL_ROWS rows (MAX_REAL_WIDTH_ROWS
+    when K >= REAL_WIDTH) when Triton is installed and no gradient is needed, else the reference; "triton" /
+    "reference" force one (the kernel has no backward).
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"fused_linear: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (x, weight, norm_weight, residual))
-    few_rows = x[..., 0].numel() <= MAX_KERNEL_ROWS
+    rows = x[..., 0].numel()
+    few_rows = rows <= (MAX_KERNEL_ROWS if x.shape[-1] < REAL_WIDTH else MAX_REAL_WIDTH_ROWS)
     if backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None and not grad and few_rows):
         if grad:
             raise ValueError("fused_linear: the Triton kernel has no backward (use backend 'auto' or 'reference')")

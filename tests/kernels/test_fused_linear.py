@@ -72,6 +72,8 @@ CPU_CASES = [
     Case(2, 9, 32, 16, torch.bfloat16, norm=True, residual=True, seed=4),
     Case(1, 40, 48, 32, torch.float16, swiglu=True, residual=True, seed=5),  # rows over one row block
     Case(1, 1, 16, 8, torch.float32, seed=6),
+    Case(1, 8, 1024, 40, torch.float32, norm=True, seed=7),  # K >= 1024: the real-width tiles (16 x 256)
+    Case(1, 1, 1280, 24, torch.bfloat16, swiglu=True, residual=True, seed=8),
 ]
 GPU_CASES = [
     Case(1, 8, 256, 512, torch.float32, norm=True, seed=10),  # the fixture drafter's q/k/v at batch 1
@@ -81,6 +83,11 @@ GPU_CASES = [
     Case(4, 16, 4096, 1024, torch.bfloat16, norm=True, seed=14),
     Case(8, 16, 1024, 3072, torch.bfloat16, norm=True, swiglu=True, seed=15),
     Case(2, 33, 3072, 1024, torch.float16, residual=True, seed=16),
+    # a real-width drafter at batch 1 (8b: hidden 4096, intermediate 12288; a head of 40000 rows)
+    Case(1, 8, 4096, 6144, torch.bfloat16, norm=True, seed=17),
+    Case(1, 8, 4096, 12288, torch.bfloat16, norm=True, swiglu=True, seed=18),
+    Case(1, 8, 12288, 4096, torch.bfloat16, residual=True, seed=19),
+    Case(1, 7, 2048, 40000, torch.bfloat16, norm=True, sliced=True, seed=20),
 ]
 
 
