@@ -114,7 +114,7 @@ KINDS = [  # (kind, name fragments), first match wins
     ("add + rmsnorm (triton)", ("_add_rms_norm",)),
     ("silu * up (triton)", ("_silu_mul",)),
     ("norm (torch)", ("norm",)),
-    ("tree ops, walk, compaction", ("tree", "compact", "accepted", "follow", "budget")),
+    ("tree ops, walk, compaction", ("tree", "_top", "compact", "accepted", "follow", "budget")),
     ("reduce / argmax", ("reduce", "argmax", "max")),
     ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
     ("elementwise (torch)", ("elementwise",)),
