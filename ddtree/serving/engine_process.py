@@ -105,7 +105,7 @@ class MetricsRelay:
         self._reset()
 
     def _reset(self) -> None:
-        self.prompt_tokens = self.tokens = self.steps = self.drafts = self.round_tokens = 0
+        self.prompt_tokens = self.tokens = self.steps = self.drafts = self.round_tokens = self.rounds = 0
         self.round_s = 0.0
         self.outcomes: Counter[str] = Counter()
         self.load: tuple[int, int] | None = None
@@ -124,6 +124,7 @@ class MetricsRelay:
         with self._lock:
             self.round_tokens += tokens
             self.round_s += seconds
+            self.rounds += 1
 
     def record_outcome(self, outcome: str) -> None:
         with self._lock:
@@ -135,19 +136,19 @@ class MetricsRelay:
     def take(self) -> tuple[Any, ...]:
         with self._lock:
             delta = (self.prompt_tokens, self.tokens, self.steps, self.drafts, self.round_tokens, self.round_s,
-                     dict(self.outcomes), self.load)
+                     self.rounds, dict(self.outcomes), self.load)
             self._reset()
         return delta
 
 
 def apply_delta(metrics: ServerMetrics, delta: tuple[Any, ...]) -> None:
-    prompt, tokens, steps, drafts, round_tokens, round_s, outcomes, load = delta
+    prompt, tokens, steps, drafts, round_tokens, round_s, rounds, outcomes, load = delta
     if prompt:
         metrics.record_admitted(prompt)
     if tokens or steps:
         metrics.record_progress(tokens, steps, drafts)
-    if round_s:
-        metrics.record_round(round_tokens, round_s)
+    if rounds:
+        metrics.record_round(round_tokens, round_s, rounds)
     for outcome, count in outcomes.items():
         metrics.record_outcome(outcome, count)
     if load is not None:

@@ -30,6 +30,11 @@ class ServerMetrics:
         self.requests = Counter(
             "ddtree_requests", "Requests by outcome", ["outcome"], registry=self.registry
         )
+        self.rounds = Counter("ddtree_decode_rounds", "Decode rounds of the whole batch", registry=self.registry)
+        self.round_seconds = Counter(
+            "ddtree_decode_round_seconds", "Time in decode rounds (the batch's step(), host sync included)",
+            registry=self.registry,
+        )
         self.running = Gauge("ddtree_running_requests", "Requests in the batch", registry=self.registry)
         self.queued = Gauge("ddtree_queued_requests", "Requests waiting for a slot", registry=self.registry)
         self._lock = threading.Lock()
@@ -50,8 +55,11 @@ class ServerMetrics:
             self._tokens_total += new_tokens
             self._verify_total += new_verify_steps
 
-    def record_round(self, tokens: int, seconds: float) -> None:
-        """One step() of the whole batch: feeds last_gen_throughput (tokens/s over >= 1 s of rounds)."""
+    def record_round(self, tokens: int, seconds: float, rounds: int = 1) -> None:
+        """`rounds` step()s of the whole batch (1, or a relayed sum): the round counters and last_gen_throughput
+        (tokens/s over >= 1 s of rounds)."""
+        self.rounds.inc(rounds)
+        self.round_seconds.inc(seconds)
         with self._lock:
             self._window_tokens += tokens
             self._window_time += seconds
