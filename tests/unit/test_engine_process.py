@@ -141,6 +141,8 @@ def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: ep.E
     assert engine.metrics.generation_tokens._value.get() == 36  # the relayed counters
     assert engine.metrics.prompt_tokens._value.get() == 9
     assert engine.rounds >= 11
+    assert engine.metrics.rounds._value.get() == engine.rounds  # every round's time relayed, none twice
+    assert engine.metrics.round_seconds._value.get() >= engine.rounds * 0.002  # each round sleeps 2 ms
 
 
 def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
