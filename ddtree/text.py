@@ -10,6 +10,7 @@ folder without a tokenizer.json (e.g. a random test model) has no codec: the ser
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -40,6 +41,33 @@ class TextCodec:
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
+
+
+class IncrementalDecoder:
+    """The text of a growing list of ids, decoding only its newest tokens.
+
+    Decoding the whole output again for every streamed chunk costs O(n) a chunk, O(n^2) a stream. Here the
+    text is extended by decode(window) - decode(window without the new ids), where the window starts at the
+    ids confirmed last time: decoders that treat a sequence's first token specially (a leading space) see the
+    same start in both decodes, and bytes of a character not yet complete (U+FFFD) wait for the next ids.
+    `text` is therefore the text of `ids[:confirmed]`; the caller decodes the whole list once at the end
+    when it needs the exact final text (it may differ where a tokenizer's decoder is not local).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.text = ""
+        self.confirmed = 0  # ids spelled by `text`
+        self._window = 0  # where the next decode starts
+
+    def extend(self, ids: Sequence[int]) -> str:
+        if len(ids) > self.confirmed:
+            known = self._decode(list(ids[self._window:self.confirmed]))
+            longer = self._decode(list(ids[self._window:]))
+            if len(longer) > len(known) and not longer.endswith("\ufffd"):
+                self.text += longer[len(known):]
+                self._window, self.confirmed = self.confirmed, len(ids)
+        return self.text
 
 
 def load_tokenizer(model_dir: str | Path) -> TextCodec | None:

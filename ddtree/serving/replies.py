@@ -21,6 +21,7 @@ from ddtree.errors import RequestError
 from ddtree.serving.state import Progress, RequestStream, ServerState
 from ddtree.serving.stops import find_stop, held_back, tokens_for
 from ddtree.serving.validation import Job
+from ddtree.text import IncrementalDecoder
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -114,6 +115,7 @@ class Reply:
         self.text = ""
         self.matched: str | None = None  # the stop string that ended it
         self._searched = 0  # text before this offset holds no stop string
+        self._running_text = IncrementalDecoder(self.decode)  # while running: only new ids are decoded
 
     def decode(self, ids: list[int]) -> str:
         if self._codec is None:
@@ -132,7 +134,8 @@ class Reply:
         if self.stopped:
             return
         ids = list(self.progress.output_ids)
-        text = self.decode(ids)
+        # the exact text once finished; while running the incremental one, which holds back an unfinished character
+        text = self.decode(ids) if self.progress.finished else self._running_text.extend(ids)
         out = self.job.output
         if out.stop and len(ids) >= max(out.min_new_tokens, 1):
             start = max(0, self._searched - max(len(s) for s in out.stop) + 1)

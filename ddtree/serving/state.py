@@ -74,6 +74,7 @@ class Progress:
     first_token_latency: float | None = None
     accept_histogram: list[int] = field(default_factory=lambda: [0])  # [n]: rounds that accepted n tokens
     output_logprobs: list[float] = field(default_factory=list)  # one per output id when the request asked
+    correct_drafts: int = 0  # sum of (accepted length - 1) over rounds, kept as it grows
 
     def apply(self, out: StepOutput) -> None:
         self.output_ids.extend(out.new_token_ids)
@@ -83,6 +84,7 @@ class Progress:
         self.verify_steps = max(self.verify_steps, out.verify_steps)
         self.accept_lengths.extend(out.accept_lengths)
         for length in out.accept_lengths:  # kept as it grows: every streamed chunk reports it
+            self.correct_drafts += max(length - 1, 0)
             if length >= len(self.accept_histogram):
                 self.accept_histogram.extend([0] * (length + 1 - len(self.accept_histogram)))
             self.accept_histogram[length] += 1
@@ -118,7 +120,7 @@ class Progress:
             "spec_verify_ct": verify,
             "spec_accept_length": completion / verify if verify else 0.0,
             "spec_accept_histogram": list(self.accept_histogram),
-            "spec_num_correct_drafts": sum(max(a - 1, 0) for a in self.accept_lengths),
+            "spec_num_correct_drafts": self.correct_drafts,
         }
 
 
