@@ -183,6 +183,8 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
 
     _sync(engine)
     running = 0
+    round_s = 0.0
+    rounds = 0
     while waiting or running:
         room = min(concurrency - running, batch.free_slots, len(waiting))
         if room:
@@ -195,18 +197,24 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
             outputs = batch.add_many(requests)
             running += len(joining)
         else:
+            started = time.perf_counter()
             outputs = batch.step()
+            round_s += time.perf_counter() - started
+            rounds += 1
         now = time.perf_counter()
         absorb(outputs, now)
         running -= sum(1 for o in outputs if o.finished)
+    if rounds:
+        records[0].round_ms = 1000.0 * round_s / rounds  # type: ignore[attr-defined]  # read by _cell
     return records
 
 
 # -- numbers --------------------------------------------------------------------------------------------
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
-    """tok/s over the repeat's wall time; TTFT, TPOT, E2E median and p90 in ms; failures counted."""
+def summarize(records: Sequence[RequestRecord], duration_s: float, round_ms: float | None = None) -> dict[str, Any]:
+    """tok/s over the repeat's wall time; TTFT, TPOT, E2E median and p90 in ms; failures counted; the server's
+    own TTFT (meta_info, from queueing on) and the mean decode round (`round_ms`) where known."""
     done = [r for r in records if r.ok]
 
     def ms(values: list[float], q: float) -> float | None:
@@ -216,7 +224,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
     tpot = [r.tpot_s for r in done if r.tpot_s is not None]
     e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+    server_ttft = [r.server_ttft_s for r in done if r.server_ttft_s is not None]
     return {"tok_per_s": sum(r.completion_tokens for r in done) / duration_s, "duration_s": duration_s,
+            "server_ttft_ms": ms(server_ttft, 50), "round_ms": round_ms,
             "failed": len(records) - len(done), "ttft_ms": ms(ttft, 50), "p90_ttft_ms": ms(ttft, 90),
             "tpot_ms": ms(tpot, 50), "p90_tpot_ms": ms(tpot, 90), "e2e_ms": ms(e2e, 50), "p90_e2e_ms": ms(e2e, 90)}
 
@@ -249,7 +259,7 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     head = (f"{'config':20} {'ctx':>5} {'C':>3} {'mode':6} {'tok/s':>9} {'ratio':>6} {'TTFT ms':>8} {'p90':>7} "
-            f"{'TPOT ms':>8} {'E2E ms':>8} {'p90/med':>7}")
+            f"{'srv TTFT':>8} {'TPOT ms':>8} {'round ms':>8} {'E2E ms':>8} {'p90/med':>7}")
     lines = [head]
     for r in rows:
         for mode in MODES:
@@ -258,12 +268,33 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                 continue
             lines.append(f"{r['config']:20} {r['context']:5} {r['concurrency']:3} {mode:6} {_f(m['tok_per_s']):>9} "
                          f"{_f(m.get('ratio'), 3) if mode != 'engine' else '':>6} {_f(m['ttft_ms'], 2):>8} "
-                         f"{_f(m['p90_ttft_ms'], 2):>7} {_f(m['tpot_ms'], 3):>8} {_f(m['e2e_ms']):>8} "
+                         f"{_f(m['p90_ttft_ms'], 2):>7} {_f(m.get('server_ttft_ms'), 2):>8} {_f(m['tpot_ms'], 3):>8} "
+                         f"{_f(m.get('round_ms'), 3):>8} {_f(m['e2e_ms']):>8} "
                          f"{_f(m.get('p90_over_median_e2e'), 2) if mode != 'engine' else '':>7}")
     return "\n".join(lines)
 
 
 # -- the server -----------------------------------------------------------------------------------------
+
+
+def server_rounds(url: str) -> tuple[float, float] | None:
+    """The server's (decode rounds, seconds in them) so far, from /metrics; None when it does not report them."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    found = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    rounds, seconds = found.get("ddtree_decode_rounds_total"), found.get("ddtree_decode_round_seconds_total")
+    return None if rounds is None or seconds is None else (rounds, seconds)
+
+
+def _mean_round_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return 1000.0 * (after[1] - before[1]) / (after[0] - before[0])
 
 
 def serve_emulated(argv: list[str]) -> int:
@@ -428,13 +459,17 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
             if mode == "engine":
                 records = run_in_process(engine, batch, timed, conc, args.max_new_tokens)
                 _sync(engine)
+                wall = time.perf_counter() - t0
+                round_ms = getattr(records[0], "round_ms", None)
             else:
+                before = server_rounds(url)
                 records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream"))
-            wall = time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                round_ms = _mean_round_ms(before, server_rounds(url))
             outputs = [r.output_ids for r in records]
             reference = outputs if reference is None else reference
             mismatched[mode] = max(mismatched[mode], sum(1 for a, b in zip(outputs, reference) if a != b))
-            repeats[mode].append(summarize(records, wall))
+            repeats[mode].append(summarize(records, wall, round_ms))
     return cell_row(spec.id, ctx, conc, repeats, mismatched)
 
 

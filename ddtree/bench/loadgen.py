@@ -41,6 +41,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between chunks that brought tokens
     tpot_s: float | None = None  # (e2e - ttft) / (completion - 1); None below 2 tokens
     spec_verify_ct: int | None = None  # verify rounds; None when the server does not speculate
+    server_ttft_s: float | None = None  # meta_info's first_token_latency: the server's own, from queueing on
+    server_e2e_s: float | None = None  # meta_info's e2e_latency
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     started_at: float = 0.0
@@ -87,6 +89,10 @@ def _apply_meta(record: RequestRecord, meta: dict[str, Any]) -> None:
         record.spec_verify_ct = int(meta["spec_verify_ct"])
     if meta.get("finish_reason") is not None:
         record.finish_reason = _finish_reason(meta)
+    if isinstance(meta.get("first_token_latency"), (int, float)):
+        record.server_ttft_s = float(meta["first_token_latency"])
+    if isinstance(meta.get("e2e_latency"), (int, float)):
+        record.server_e2e_s = float(meta["e2e_latency"])
 
 
 def _finish(record: RequestRecord, t0: float) -> None:
