@@ -81,9 +81,14 @@ if triton is not None:
         return a | b
 
     @triton.jit
-    def _top_kernel(X, VAL, IDS, V, s_r, floor, K: tl.constexpr, KPAD: tl.constexpr, BLOCK_V: tl.constexpr):
-        # one program per (row, depth): log-softmax statistics and the top K in one pass over V
+    def _top_kernel(X, VAL, IDS, V, s_r, floor, PM, PT, PK, chunk, K: tl.constexpr, KPAD: tl.constexpr,
+                    BLOCK_V: tl.constexpr, SPLITS: tl.constexpr):
+        # one program per (row, depth) x vocabulary split: log-softmax statistics and the top K in one pass
+        # over its share of V; SPLITS > 1 writes the partials (max, sum, best keys) for _top_merge_kernel
         r = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, V)
         offs = tl.arange(0, BLOCK_V)
         kk = tl.arange(0, KPAD)
         none = -9223372036854775807 - 1  # int64 min: an empty slot, below every real key
@@ -91,21 +96,33 @@ if triton is not None:
         best = tl.where(kk < K, none, 9223372036854775807).to(tl.int64)
         m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
         total = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-        for start in range(0, V, BLOCK_V):
+        for start in range(lo, hi, BLOCK_V):
             cols = start + offs
-            x = tl.load(X + r * s_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(X + r * s_r + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf anywhere
             total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
             m = m_new
             x = tl.where(x == 0.0, 0.0, x)  # -0.0 and 0.0 share a key
-            keys = tl.where(cols < V, (_to_key(x).to(tl.int64) << 32) | (2147483647 - cols), none)
+            keys = tl.where(cols < hi, (_to_key(x).to(tl.int64) << 32) | (2147483647 - cols), none)
             for _ in range(K):  # this chunk's best K, each replacing the current worst if better
                 top = tl.max(keys, axis=0)
                 keys = tl.where(keys == top, none, keys)
                 worst = tl.min(best, axis=0)
                 slot = tl.argmin(best, axis=0)
                 best = tl.where((kk == slot) & (top > worst), top, best)
+        if SPLITS == 1:
+            _top_store(VAL, IDS, r, best, m, total, floor, K, KPAD)
+        else:
+            part = r * SPLITS + split
+            tl.store(PM + part, m)
+            tl.store(PT + part, total)
+            tl.store(PK + part * KPAD + kk, tl.where(kk < K, best, none))
+
+    @triton.jit
+    def _top_store(VAL, IDS, r, best, m, total, floor, K: tl.constexpr, KPAD: tl.constexpr):
+        kk = tl.arange(0, KPAD)
+        none = -9223372036854775807 - 1
         best = tl.sort(tl.where(kk < K, best, none), descending=True)
         value = _from_key((best >> 32).to(tl.int32))
         token = 2147483647 - (best & 0xFFFFFFFF)
@@ -115,6 +132,27 @@ if triton is not None:
         lp = tl.minimum(tl.where(finite, tl.maximum(lp, floor), floor), 0.0)
         tl.store(VAL + r * K + kk, lp, mask=kk < K)
         tl.store(IDS + r * K + kk, token, mask=kk < K)
+
+    @triton.jit
+    def _top_merge_kernel(VAL, IDS, PM, PT, PK, floor, K: tl.constexpr, KPAD: tl.constexpr, SPLITS: tl.constexpr):
+        # one program per row: the splits' maxima and sums into one log-sum-exp, their best keys into the top K
+        r = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, SPLITS)
+        m_s = tl.load(PM + r * SPLITS + sp)
+        t_s = tl.load(PT + r * SPLITS + sp)
+        m = tl.max(m_s, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.where(m_s == float("-inf"), 0.0, t_s * tl.exp(m_s - m_safe)), axis=0)
+        flat = tl.arange(0, SPLITS * KPAD)
+        keys = tl.load(PK + r * SPLITS * KPAD + flat)
+        kk = tl.arange(0, KPAD)
+        none = -9223372036854775807 - 1
+        best = tl.full([KPAD], none, tl.int64)
+        for i in tl.static_range(K):  # keys are distinct (ids differ) but for empty slots
+            top = tl.max(keys, axis=0)
+            keys = tl.where(keys == top, none, keys)
+            best = tl.where(kk == i, top, best)
+        _top_store(VAL, IDS, r, best, m, total, floor, K, KPAD)
 
     @triton.jit
     def _select_kernel(
@@ -260,11 +298,25 @@ def _need_triton(what: str) -> None:
         raise RuntimeError(f"{what}: triton is not installed (pip install 'triton>=3.0')")
 
 
-def top_log_probs_triton(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ddtree.tree.top_log_probs in one kernel: logits[..., L, V] -> (log_probs, ids) [..., L, K], best first.
+# A few rows over a large vocabulary split it across programs (then one merge launch): the 8B-like shape's
+# 7 rows x 151936 took 149 us of a 6.5 ms round in 7 programs (H200, docs/perf.md "The engine at real width")
+_TOP_PROGRAMS = 1024  # ~8 a multiprocessor (132 on the H200): a program is a chain of dependent reductions
+_MAX_TOP_SPLITS = 32
+
+
+def top_splits(rows: int, vocab: int, block_v: int) -> int:
+    """Vocabulary splits per row: about _TOP_PROGRAMS programs in all, each split at least one block."""
+    want = min(-(-_TOP_PROGRAMS // max(rows, 1)), -(-vocab // block_v), _MAX_TOP_SPLITS)
+    return 1 << (max(want, 1).bit_length() - 1)  # a power of two: the merge loads them as one block
+
+
+def top_log_probs_triton(logits: torch.Tensor, topk: int, block_v: int | None = None,
+                         splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ddtree.tree.top_log_probs in one kernel (two when the vocabulary is split): logits[..., L, V] ->
+    (log_probs, ids) [..., L, K], best first.
 
     The ids equal the reference's (ties aside); the values agree to float32 rounding (the log-sum-exp is
-    summed in another order).
+    summed in another order). block_v / splits (a power of two) override the choices (tests, tuning).
     """
     _need_triton("top_log_probs_triton")
     v = logits.shape[-1]
@@ -276,11 +328,22 @@ def top_log_probs_triton(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor,
         rows = rows.contiguous()
     values = torch.empty(rows.shape[0], k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(rows.shape[0], k, dtype=torch.long, device=logits.device)
-    if rows.shape[0]:
-        _top_kernel[(rows.shape[0],)](
-            rows, values, ids, v, rows.stride(0), tree_torch._LOG_PROB_FLOOR,
-            K=k, KPAD=triton.next_power_of_2(k), BLOCK_V=min(4096, triton.next_power_of_2(v)), num_warps=4,
-        )
+    n = rows.shape[0]
+    if n:
+        block_v = block_v or min(4096, triton.next_power_of_2(v))
+        splits = splits or top_splits(n, v, block_v)
+        if splits & (splits - 1):
+            raise ValueError(f"splits: {splits} is not a power of two")
+        kpad = triton.next_power_of_2(k)
+        chunk = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v
+        floor = tree_torch._LOG_PROB_FLOOR
+        pm = torch.empty(n * splits if splits > 1 else 1, dtype=torch.float32, device=logits.device)
+        pt = torch.empty_like(pm)
+        pk = torch.empty(pm.numel() * kpad, dtype=torch.long, device=logits.device)
+        _top_kernel[(n, splits)](rows, values, ids, v, rows.stride(0), floor, pm, pt, pk, chunk,
+                                 K=k, KPAD=kpad, BLOCK_V=block_v, SPLITS=splits, num_warps=4)
+        if splits > 1:
+            _top_merge_kernel[(n,)](values, ids, pm, pt, pk, floor, K=k, KPAD=kpad, SPLITS=splits, num_warps=1)
     out = (*logits.shape[:-1], k)
     return values.reshape(out), ids.reshape(out)
 

@@ -163,6 +163,33 @@ def test_triton_matches_torch_gpu(case: Case) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [2, 4, 32])
+def test_vocabulary_pass_split_across_programs_matches(splits: int) -> None:
+    """A few rows over a wide vocabulary split into slices (32: some slices empty) then merged: the same ids
+    and values as the reference, -inf rows and ties included."""
+    logits = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    logits[0, 0] = float("-inf")
+    logits[0, 0, 999] = 2.0  # one finite token, in the last slice
+    logits[1, 2, 500:530] = 9.0  # tied top across a slice boundary (block 64: 512)
+    lp, ids = tree_ops.top_log_probs_triton(logits, 4, block_v=64, splits=splits)
+    ref_lp, ref_ids = tree.top_log_probs_fast(logits, 4)
+    assert ids[0, 0, 0] == 999 and lp[0, 0, 0] == 0.0
+    assert bool((ids[1, 2] >= 500).all() and (ids[1, 2] < 530).all())
+    torch.testing.assert_close(lp, ref_lp, atol=2e-6, rtol=1e-6)
+    for b, d in ((0, 1), (0, 2), (1, 0), (1, 1)):  # the rows without ties
+        assert_same(ids[b, d], ref_ids[b, d], f"ids of row ({b}, {d})")
+    with pytest.raises(ValueError, match="power of two"):
+        tree_ops.top_log_probs_triton(logits, 4, block_v=64, splits=3)
+
+
+def test_vocabulary_splits_fill_the_device() -> None:
+    assert tree_ops.top_splits(7, 151936, 4096) == 32  # the 8B-like drafter at batch 1
+    assert tree_ops.top_splits(224, 151936, 4096) == 4  # batch 32
+    assert tree_ops.top_splits(2048, 151936, 4096) == 1  # enough rows already
+    assert tree_ops.top_splits(7, 4096, 4096) == 1  # one block of vocabulary
+
+
+@needs_triton
 def test_vocabulary_pass_handles_minus_inf_and_ties() -> None:
     """-inf logits get the floor log-prob (never NaN), ids stay distinct; a wide vocabulary spans chunks."""
     logits = torch.randn(2, 3, 9000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
