@@ -72,8 +72,10 @@ def norm_rope_reference(
 if triton is not None:
 
     @triton.jit
-    def _norm_rope_kernel(
-        X, W, COS, SIN, OUT, V, VOUT, SLOTS, n, heads, eps, n_slots,
+    def _norm_rope_qkv_kernel(
+        Q, WQ, QOUT, K, WK, COS, SIN, KOUT, V, VOUT, SLOTS, n, q_heads, kv_heads, eps, n_slots, k_blocks,
+        sq_b, sq_n, sq_h, sq_d,
+        sqo_b, sqo_h, sqo_s, sqo_d,
         sx_b, sx_n, sx_h, sx_d,
         sc_b, sc_n, sc_d,
         ss_b, ss_n, ss_d,
@@ -81,13 +83,37 @@ if triton is not None:
         sv_b, sv_n, sv_h, sv_d,
         svo_b, svo_h, svo_s, svo_d,
         sl_b, sl_n,
-        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, HAS_V: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
     ):
-        row = tl.program_id(0)  # (request, token)
+        # a layer's q and its k/v in one launch: the first k_blocks programs of a row write keys and values
+        # into the cache, the rest rotate the queries; norm_rope and norm_rope_write launch one side alone
+        row = tl.program_id(0)
         b = (row // n).to(tl.int64)
         i = (row % n).to(tl.int64)
-        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        blk = tl.program_id(1)
+        if blk < k_blocks:
+            hs = blk * BLOCK_H + tl.arange(0, BLOCK_H)
+            _norm_rope_heads(K, WK, COS, SIN, KOUT, V, VOUT, SLOTS, b, i, hs, kv_heads, eps, n_slots,
+                             sx_b, sx_n, sx_h, sx_d, sc_b, sc_n, sc_d, ss_b, ss_n, ss_d, so_b, so_h, so_s, so_d,
+                             sv_b, sv_n, sv_h, sv_d, svo_b, svo_h, svo_s, svo_d, sl_b, sl_n,
+                             HEAD_DIM, BLOCK_D, HAS_WEIGHT, True, True)
+        else:
+            hq = (blk - k_blocks) * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+            _norm_rope_heads(Q, WQ, COS, SIN, QOUT, Q, QOUT, SLOTS, b, i, hq, q_heads, eps, n_slots,
+                             sq_b, sq_n, sq_h, sq_d, sc_b, sc_n, sc_d, ss_b, ss_n, ss_d, sqo_b, sqo_h, sqo_s, sqo_d,
+                             sq_b, sq_n, sq_h, sq_d, sqo_b, sqo_h, sqo_s, sqo_d, sl_b, sl_n,
+                             HEAD_DIM, BLOCK_D, HAS_WEIGHT, False, False)
+
+    @triton.jit
+    def _norm_rope_heads(
+        X, W, COS, SIN, OUT, V, VOUT, SLOTS, b, i, hs, heads, eps, n_slots,
+        sx_b, sx_n, sx_h, sx_d, sc_b, sc_n, sc_d, ss_b, ss_n, ss_d, so_b, so_h, so_s, so_d,
+        sv_b, sv_n, sv_h, sv_d, svo_b, svo_h, svo_s, svo_d, sl_b, sl_n,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+        HAS_V: tl.constexpr,
+    ):
+        # heads hs of token i of request b
         dims = tl.arange(0, BLOCK_D)
         half: tl.constexpr = HEAD_DIM // 2
         first = dims < half
@@ -125,21 +151,43 @@ if triton is not None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
             out: torch.Tensor, v: torch.Tensor | None, v_out: torch.Tensor | None, slots: torch.Tensor | None) -> None:
-    """One kernel launch; out (and v_out) are [bs, heads, S, d] with any strides."""
-    bs, n, heads, d = x.shape
+    """One kernel launch; out (and v_out) are [bs, heads, S, d] with any strides. With slots (and v): keys and
+    values into a cache; without: queries (x, out as norm_rope_qkv's q side)."""
+    if slots is not None:
+        assert v is not None and v_out is not None
+        _launch_qkv(None, None, None, x, v, weight, eps, cos, sin, out, v_out, slots)
+    else:
+        _launch_qkv(x, weight, out, None, None, None, eps, cos, sin, None, None, None)
+
+
+def _launch_qkv(q: torch.Tensor | None, q_weight: torch.Tensor | None, q_out: torch.Tensor | None,
+                k: torch.Tensor | None, v: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor | None, v_out: torch.Tensor | None,
+                slots: torch.Tensor | None) -> None:
+    """_norm_rope_qkv_kernel over the queries (q, q_out) and/or the keys and values (k, v into k_out, v_out
+    at slots); a side left None gets no programs (its pointers are placeholders)."""
+    any_x = q if q is not None else k
+    assert any_x is not None
+    bs, n, _, d = any_x.shape
+    q_heads = q.shape[2] if q is not None else 0
+    kv_heads = k.shape[2] if k is not None else 0
     block_d = max(16, triton.next_power_of_2(d))
-    block_h = min(triton.next_power_of_2(heads), max(1, _TILE // block_d))
-    grid = (bs * n, triton.cdiv(heads, block_h))
-    vv, vo = (v, v_out) if v is not None and v_out is not None else (x, out)
-    sl = slots if slots is not None else x
-    sl_strides = slots.stride() if slots is not None else (0, 0)
-    _norm_rope_kernel[grid](
-        x, weight if weight is not None else x, cos, sin, out, vv, vo, sl, n, heads, eps, out.shape[2],
-        *x.stride(), cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
-        *out.stride(), *vv.stride(), *vo.stride(), *sl_strides,
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
-        HAS_SLOTS=slots is not None, HAS_V=v is not None,
-        num_warps=4 if block_h * block_d <= 2048 else 8,
+    block_h = min(triton.next_power_of_2(max(kv_heads, 1)), max(1, _TILE // block_d))
+    block_hq = min(triton.next_power_of_2(max(q_heads, 1)), max(1, _TILE // block_d))
+    k_blocks = triton.cdiv(kv_heads, block_h)
+    grid = (bs * n, k_blocks + triton.cdiv(q_heads, block_hq))
+    weight = q_weight if q is not None else k_weight
+    qq, qo = (q, q_out) if q is not None and q_out is not None else (any_x, k_out)
+    kk, kv, ko, vo = (k, v, k_out, v_out) if k is not None else (any_x, any_x, q_out, q_out)
+    sl = slots if slots is not None else any_x
+    _norm_rope_qkv_kernel[grid](
+        qq, q_weight if q_weight is not None else any_x, qo, kk, k_weight if k_weight is not None else any_x, cos, sin,
+        ko, kv, vo, sl, n, q_heads, kv_heads, eps, ko.shape[2], k_blocks,
+        *qq.stride(), *qo.stride(), *kk.stride(),
+        cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+        *ko.stride(), *kv.stride(), *vo.stride(), *(slots.stride() if slots is not None else (0, 0)),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HQ=block_hq, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
+        num_warps=4 if max(block_h if k is not None else 1, block_hq if q is not None else 1) * block_d <= 2048 else 8,
     )
 
 
@@ -252,3 +300,52 @@ def norm_rope_write(
     # advanced indices on dims (bs, S) around a slice -> values laid out [bs, n, heads, d]
     k_out[rows, :, slots] = norm_rope_reference(k, weight, eps, cos, sin).transpose(1, 2)
     v_out[rows, :, slots] = v
+
+
+def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor,
+                  backend: Backend = "auto") -> torch.Tensor:
+    """`norm_rope(q, ...)` and `norm_rope_write(k, v, ...)` of one layer in one launch: returns the rotated
+    q as [bs, q_heads, n, d] and writes k/v into the cache at slots (q[bs, n, q_heads, d], k/v[bs, n, kv_heads,
+    d], any strides; both norms None or both given). On CUDA one kernel whose programs run the two launches'
+    code (the norm's sum may reduce in another order under the larger block's warps: float32 rounding); the
+    reference is the two calls' references, so CPU numerics do not move.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"norm_rope_qkv: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("norm_rope_qkv: q_weight and k_weight must both be given or both be None")
+    bs, n, q_heads, d = _check_inputs(q, q_weight, cos, sin)
+    _check_inputs(k, k_weight, cos, sin)  # the same cos/sin: q and k share bs, n and head_dim
+    _check_write(k, v, k_out, v_out, slots)
+    grad = _needs_grad(q, k, v, q_weight, k_weight, cos, sin)
+    use_kernel = backend == "triton" or (backend == "auto" and q.is_cuda and triton is not None and not grad)
+    if not use_kernel:
+        norm_rope_write(k, v, k_weight, eps, cos, sin, k_out, v_out, slots, backend="reference")
+        return norm_rope_reference(q, q_weight, eps, cos, sin)
+    if triton is None:
+        raise RuntimeError("norm_rope_qkv: triton is not installed (pip install 'triton>=3.0')")
+    if grad:
+        raise ValueError("norm_rope_qkv: the kernel has no backward; an input requires grad")
+    q_out = torch.empty(bs, q_heads, n, d, dtype=q.dtype, device=q.device)
+    if q_out.numel() == 0:
+        return q_out
+    _launch_qkv(q, q_weight, q_out, k, v, k_weight, eps, cos, sin, k_out, v_out, slots)
+    return q_out
+    kv_heads = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = min(triton.next_power_of_2(kv_heads), max(1, _TILE // block_d))
+    block_hq = min(triton.next_power_of_2(q_heads), max(1, _TILE // block_d))
+    k_blocks = triton.cdiv(kv_heads, block_h)
+    grid = (bs * n, k_blocks + triton.cdiv(q_heads, block_hq))
+    _norm_rope_qkv_kernel[grid](
+        q, q_weight if q_weight is not None else q, q_out, k, k_weight if k_weight is not None else k, cos, sin,
+        k_out, v, v_out, slots, n, q_heads, kv_heads, eps, k_out.shape[2], k_blocks,
+        *q.stride(), *q_out.stride(), *k.stride(),
+        cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
+        *k_out.stride(), *v.stride(), *v_out.stride(), *slots.stride(),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HQ=block_hq, BLOCK_D=block_d, HAS_WEIGHT=q_weight is not None,
+        num_warps=4 if max(block_h, block_hq) * block_d <= 2048 else 8,
+    )
+    return q_out

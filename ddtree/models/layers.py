@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels.fused_linear import fused_linear_triton
-from ddtree.kernels.norm_rope import norm_rope, norm_rope_write
+from ddtree.kernels.norm_rope import norm_rope, norm_rope_qkv, norm_rope_write
 from ddtree.kernels.residual_norm import silu_mul
 
 # Inference linears of at most this many rows (bias-free, 16-bit, CUDA) run ddtree.kernels.fused_linear's
@@ -250,8 +250,16 @@ class GQAProjections(nn.Module):
         returns q[bs, H, q, d]."""
         fused = self._fused()
         q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        self.write_kv(k, v, cos, sin, k_out, v_out, slots)
-        return self.rope_q(q, cos, sin)
+        bs, n, _ = q.shape
+        kv_shape = (bs, n, self.n_kv, self.head_dim)
+        if (self.q_norm is None) != (self.k_norm is None):  # one norm without the other: two launches
+            self.write_kv(k, v, cos, sin, k_out, v_out, slots)
+            return self.rope_q(q, cos, sin)
+        qw = None if self.q_norm is None else self.q_norm.weight
+        kw = None if self.k_norm is None else self.k_norm.weight
+        # the q rotation and the k/v cache write in one launch (ddtree.kernels.norm_rope.norm_rope_qkv)
+        return norm_rope_qkv(q.view(bs, n, self.n_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
+                             qw, kw, self.eps, cos, sin, k_out, v_out, slots)
 
     def key_value_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
                        v_out: torch.Tensor, slots: torch.Tensor) -> None:

@@ -19,7 +19,13 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.kernels.norm_rope import norm_rope, norm_rope_reference, norm_rope_triton, norm_rope_write
+from ddtree.kernels.norm_rope import (
+    norm_rope,
+    norm_rope_qkv,
+    norm_rope_reference,
+    norm_rope_triton,
+    norm_rope_write,
+)
 from ddtree.models.layers import RMSNorm, Rotary
 from tests.kernels.kernel_asserts import (
     assert_close,
@@ -226,6 +232,61 @@ def test_triton_write_matches_rotation_and_index_put(case: Case, slots_of: str) 
     assert torch.equal(k_out.isnan(), k_ref.isnan()), "the kernel wrote other slots than the reference"
     assert torch.equal(v_out.nan_to_num(), v_ref.nan_to_num()), "values must be copied bit for bit"
     assert_close(k_out.nan_to_num(), k_ref.nan_to_num(), what=f"written keys, {case.id}", **_tolerance(case.dtype))
+
+
+def _qkv_case(case: Case, q_heads: int, slots_of: str) -> tuple:
+    """A layer's q (q_heads heads) beside _cache_write_case's k/v, with its own norm weight."""
+    k, v, weight, cos, sin, k_out, v_out, slots = _cache_write_case(case, slots_of)
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed + 200)
+    q = torch.randn(case.bs, case.n, (q_heads + 1) * case.d, generator=gen, device=DEVICE).to(case.dtype)
+    q = q[..., case.d:].view(case.bs, case.n, q_heads, case.d)  # a strided slice, as of a fused GEMM
+    q_weight = None if weight is None else (1.0 + 0.1 * torch.randn(case.d, generator=gen, device=DEVICE)).to(case.dtype)
+    return q, q_weight, k, v, weight, cos, sin, k_out, v_out, slots
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CPU_CASES[:4]])
+def test_qkv_reference_is_the_two_calls(case: Case) -> None:
+    q, qw, k, v, kw, cos, sin, k_out, v_out, slots = _qkv_case(case, 2 * case.heads, "next")
+    k_ref, v_ref = k_out.clone(), v_out.clone()
+    norm_rope_write(k, v, kw, EPS, cos, sin, k_ref, v_ref, slots, backend="reference")
+    got = norm_rope_qkv(q, k, v, qw, kw, EPS, cos, sin, k_out, v_out, slots, backend="reference")
+    assert torch.equal(got, norm_rope_reference(q, qw, EPS, cos, sin))
+    assert torch.equal(k_out.nan_to_num(), k_ref.nan_to_num()) and torch.equal(v_out.nan_to_num(), v_ref.nan_to_num())
+
+
+@needs_triton
+@pytest.mark.parametrize("slots_of", ["next", "ring"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CPU_CASES[:6]])
+def test_triton_qkv_matches_the_two_launches(case: Case, slots_of: str) -> None:
+    """One launch for q and the k/v write: q as norm_rope's kernel gives it, the cache as norm_rope_write's
+    (NaN-poisoned slots elsewhere untouched); 4x the kv heads as queries (grouped-query attention)."""
+    q, qw, k, v, kw, cos, sin, k_out, v_out, slots = _qkv_case(case, 4 * case.heads, slots_of)
+    k_two, v_two = k_out.clone(), v_out.clone()
+    norm_rope_write(k, v, kw, EPS, cos, sin, k_two, v_two, slots, backend="triton")
+    q_two = norm_rope_triton(q, qw, EPS, cos, sin)
+    got = norm_rope_qkv(q, k, v, qw, kw, EPS, cos, sin, k_out, v_out, slots, backend="triton")
+    assert got.shape == q_two.shape and got.is_contiguous() and not got.isnan().any()
+    assert torch.equal(k_out.isnan(), k_two.isnan()), "the kernel wrote other slots than the two launches"
+    assert torch.equal(v_out.nan_to_num(), v_two.nan_to_num()), "values must be copied bit for bit"
+    tol = {"atol": 1e-6, "rtol": 1e-6} if case.dtype == torch.float32 else _tolerance(case.dtype)
+    assert_close(got, q_two, what=f"queries, {case.id}", **tol)
+    assert_close(k_out.nan_to_num(), k_two.nan_to_num(), what=f"written keys, {case.id}", **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: real widths are too slow for the Triton interpreter")
+@pytest.mark.parametrize("case", [Case(32, 9, 8, 128, torch.bfloat16, True, seed=20),
+                                  Case(1, 1, 8, 128, torch.bfloat16, True, seed=21)], ids=lambda c: c.id)
+def test_triton_qkv_matches_the_two_launches_gpu(case: Case) -> None:
+    test_triton_qkv_matches_the_two_launches(case, "next")
+
+
+def test_qkv_rejects_one_norm_without_the_other() -> None:
+    q, qw, k, v, kw, cos, sin, k_out, v_out, slots = _qkv_case(CPU_CASES[1], 8, "next")
+    with pytest.raises(ValueError, match="both"):
+        norm_rope_qkv(q, k, v, qw, None, EPS, cos, sin, k_out, v_out, slots)
+    with pytest.raises(ValueError, match="cos must be"):  # q and k of different lengths
+        norm_rope_qkv(q[:, :1], k, v, qw, kw, EPS, cos[:, :, :1], sin[:, :, :1], k_out, v_out, slots)
 
 
 @needs_triton
