@@ -422,9 +422,12 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = [f"{meta['device_name']}, torch {meta['torch']}, {meta['date']}, context {meta['context']}; copy "
              f"bandwidth {meta['copy_gbps']:.0f} GB/s (read + write). RANDOM WEIGHTS.", "", f"`{meta['command']}`", ""]
     for shape, part in report["shapes"].items():
+        lines += [f"### {shape}: {part['label']}", ""]
+        if "bytes" not in part:  # the peer only
+            lines += [f"Peer: {json.dumps(part.get('peer', part.get('errors')))}", ""]
+            continue
         b = part["bytes"]["1"]
-        lines += [f"### {shape}: {part['label']}", "",
-                  f"Target weights {b['target_weights'] / 1e9:.2f} GB (floor {part['floor_ms']['target_1']:.3f} ms); "
+        lines += [f"Target weights {b['target_weights'] / 1e9:.2f} GB (floor {part['floor_ms']['target_1']:.3f} ms); "
                   f"drafter + shared head {b.get('drafter_weights', 0) / 1e9:.2f} GB; KV at batch 1 "
                   f"{b['target_kv'] / 1e6:.0f} MB, at 32 {part['bytes']['32']['target_kv'] / 1e9:.2f} GB.", ""]
         if part.get("forward"):
@@ -546,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
         (args.out_dir / "real_width.md").write_text(format_markdown(report))
 
     for shape in args.shapes:
+        if not set(args.parts) - {"peer"}:  # the peer alone: no pair of ours to build
+            report["shapes"][shape] = part = {"label": "the peer only", "layers": SHAPES[shape].layers}
+            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context))
+            write()
+            continue
         target, drafter = random_models(shape, device=device, dtype=dtype, draft_layers=args.draft_layers[0])
         engine = Engine(target, drafter)
         n = sum(p.numel() for p in target.parameters())
