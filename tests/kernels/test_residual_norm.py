@@ -120,7 +120,7 @@ def test_triton_silu_mul_on_fused_gemm_halves(shape, dtype) -> None:
 
 
 @needs_triton
-def test_dispatcher_and_switch() -> None:
+def test_triton_dispatcher_and_switch() -> None:
     """"auto" runs the kernel on CUDA only, never under autograd, and not while ENABLED is off."""
     x, delta, weight = _inputs((1, 2, 64), torch.float32, 5)
     if not HAS_CUDA:  # CPU tensors: the reference, whatever the switch says

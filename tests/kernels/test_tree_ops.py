@@ -164,7 +164,7 @@ def test_triton_matches_torch_gpu(case: Case) -> None:
 
 @needs_triton
 @pytest.mark.parametrize("splits", [2, 4, 32])
-def test_vocabulary_pass_split_across_programs_matches(splits: int) -> None:
+def test_triton_vocabulary_pass_split_across_programs_matches(splits: int) -> None:
     """A few rows over a wide vocabulary split into slices (32: some slices empty) then merged: the same ids
     and values as the reference, -inf rows and ties included."""
     logits = torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(5)).to(DEVICE)
