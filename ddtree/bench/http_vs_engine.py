@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.loadgen import RequestRecord, run_requests
+from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests
 from ddtree.bench.metrics import percentile
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
@@ -363,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]),
                    help="HTTP clients: stream (SSE, SGLang's cumulative chunks), plain (one JSON answer)")
     p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(concurrency, 8))")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="HTTP client processes sharing each cell's concurrency (ddtree.bench.loadgen.client_pool)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -385,6 +387,8 @@ def _check(args: argparse.Namespace) -> None:
         bad = [v for v in values if v < 1]
         if bad:
             raise ConfigError(f"{flag}: {bad} out of range (allowed >= 1)")
+    if args.client_processes < 1:
+        raise ConfigError(f"--client-processes: {args.client_processes} out of range (allowed >= 1)")
     if args.requests < 0 or args.warmup < 0:
         raise ConfigError("--requests/--warmup: out of range (allowed >= 0)")
     if max(args.concurrency) > args.max_running_requests:
@@ -418,6 +422,8 @@ def run(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
     from ddtree.text import load_tokenizer
 
     specs = parse_configs(args.configs)
+    if args.client_processes > 1:
+        client_pool(args.client_processes)  # started before anything is timed (and before CUDA: spawned anyway)
     engine = _load_engine(args)
     codec = load_tokenizer(args.target)
     n_max = max(args.requests or max(c, 8) for c in args.concurrency)
@@ -448,7 +454,8 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
     run_in_process(engine, batch, timed, conc, args.max_new_tokens)  # the engine at its best: captures made
     if warm:
         for stream in (True, False):
-            asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream))
+            asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
+                                     processes=args.client_processes))
     repeats: dict[str, list[dict[str, Any]]] = {m: [] for m in ("engine", *args.modes)}
     reference: list[list[int]] | None = None
     mismatched = {m: 0 for m in repeats}
@@ -463,7 +470,8 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
                 round_ms = getattr(records[0], "round_ms", None)
             else:
                 before = server_rounds(url)
-                records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream"))
+                records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
+                                                   processes=args.client_processes))
                 wall = time.perf_counter() - t0
                 round_ms = _mean_round_ms(before, server_rounds(url))
             outputs = [r.output_ids for r in records]
@@ -492,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(rows))
     if args.out:
         meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
-                "engine": args.engine, "device": args.device}
+                "engine": args.engine, "device": args.device, "client_processes": args.client_processes}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     bad = [f"{r['config']} ctx{r['context']} c{r['concurrency']}" for r in rows if any(r["mismatched"].values())]

@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ddtree.bench import loadgen
 from ddtree.bench.loadgen import RequestRecord, run_load, run_requests
 from ddtree.errors import ConfigError
 
@@ -204,3 +205,27 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, Any], field: str) -> Non
 def test_record_defaults() -> None:
     record = RequestRecord(ok=False)
     assert record.itl_s == [] and record.output_ids == [] and record.spec_verify_ct is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_several_client_processes_share_the_prompts_and_the_concurrency(server: tuple[str, FakeState],
+                                                                        stream: bool) -> None:
+    """Prompt i goes from process i mod 2; records come back in prompt order; the seed is still seed + i."""
+    url, state = server
+    hung = state.in_flight  # requests an earlier test left hanging on purpose
+    prompts = [[i + 1, 2, 3] for i in range(9)]
+    records = run_load(url, prompts, concurrency=4, max_new_tokens=6, timeout_s=30, stream=stream, seed=100,
+                       processes=2)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert [r.output_ids[:1] for r in records] == [[i + 1] for i in range(9)]  # each record is its own prompt's
+    assert 2 <= state.max_in_flight - hung <= 4  # two processes keeping 2 in flight each
+    seeds = {body["input_ids"][0]: body["sampling_params"]["seed"] for body in state.seen}
+    assert seeds == {i + 1: 100 + i for i in range(9)}
+    assert all(r.started_at > 0 and r.e2e_s for r in records)
+    assert len(loadgen._POOLS[2]._processes) == 2  # the pool the run went through: two live client processes
+
+
+def test_client_processes_must_be_a_positive_integer(server: tuple[str, FakeState]) -> None:
+    url, _ = server
+    with pytest.raises(ConfigError, match="processes"):
+        run_load(url, [[1]], concurrency=1, max_new_tokens=2, processes=0)
