@@ -51,6 +51,8 @@ HELP = {
     "tokenize": "how prompt tokens are counted: local (the target's tokenizer.json), service (the service's /tokenize) "
                 "or auto (local when --model-path has a tokenizer.json, else service; the default)",
     "ssh_config": "ssh config file for --ssh-host (ssh -F PATH: port, identity, known hosts)",
+    "client_processes": "HTTP client processes that share each cell's concurrency (default 1; one asyncio client "
+                        "sends a wave's requests one after another, so at high concurrency it can set the pace)",
     "start_retries": "extra start attempts for a config whose start failed, 0 or 1 (default 0: one start per config)",
 }
 SUITE_INI = "ddtree_suite"
@@ -88,6 +90,7 @@ def add_options(parser: pytest.Parser) -> None:
     opt("tokenize", metavar="|".join(TOKENIZE_MODES))
     opt("ssh-config", metavar="PATH")
     opt("start-retries", metavar="N")
+    opt("client-processes", metavar="N")
     parser.addini(SUITE_INI, SUITE_INI_HELP, type="bool", default=False)
 
 
@@ -142,6 +145,7 @@ class SuiteOptions:
     tokenize: str = "auto"
     ssh_config: str | None = None
     start_retries: int = 0
+    client_processes: int = 1
 
 
 def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
@@ -292,6 +296,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         tokenize=tokenize,
         ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,
         start_retries=0 if retries is None else int(retries),
+        client_processes=int(_positive_number(config, "client_processes", 1, integer=True)),
     )
 
 

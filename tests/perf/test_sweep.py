@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ddtree.bench.loadgen import run_load
+from ddtree.bench.loadgen import client_pool, run_load
 from ddtree.bench.metrics import records_duration_s, summarize_repeat
 from ddtree.bench.results import CellResult, now_iso, write_cell
 from ddtree.grid import Cell
@@ -39,7 +39,10 @@ def test_sweep(
     per_repeat_count = grid.requests_per_cell
     prompts = prompt_maker(cell.context, grid.warmup_requests + grid.repeats * per_repeat_count)
     stream = deployed.backend.name != "fake"  # the model-free fake server answers in one piece
-    load = dict(max_new_tokens=grid.max_new_tokens, temperature=0.0, ignore_eos=True, stream=stream)
+    load = dict(max_new_tokens=grid.max_new_tokens, temperature=0.0, ignore_eos=True, stream=stream,
+                processes=suite.client_processes)
+    if suite.client_processes > 1:
+        client_pool(suite.client_processes)  # up before anything is timed (once per session)
     started = now_iso()
 
     if grid.warmup_requests:  # compiles, caches and allocator growth stay out of the numbers
@@ -61,7 +64,8 @@ def test_sweep(
         config_id=cell.config_id, spec=cell.spec.to_dict(), context=cell.context, concurrency=cell.concurrency,
         per_repeat=repeats, backend=deployed.backend.name, started_at=started,
         client={"max_new_tokens": grid.max_new_tokens, "requests_per_cell": per_repeat_count,
-                "warmup_requests": grid.warmup_requests, "ignore_eos": True, "temperature": 0.0},
+                "warmup_requests": grid.warmup_requests, "ignore_eos": True, "temperature": 0.0,
+                "client_processes": suite.client_processes},
     )
     write_cell(suite.results_dir, result)
     metrics = result.metrics

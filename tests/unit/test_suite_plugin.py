@@ -200,6 +200,15 @@ def test_a_failing_start_costs_one_attempt_per_config_or_two_with_a_retry(suite_
         assert logs.count("=== ddtree service start b4-k4-w2048-bs8") == attempts, logs
 
 
+def test_client_processes_share_a_cells_load_and_are_recorded(suite_dir: pytest.Pytester) -> None:
+    result = run(suite_dir, "-m", "perf", "-k", "ar", "--client-processes", "2")
+    result.assert_outcomes(passed=2)
+    for cell in (suite_dir.path / "results" / "cells").iterdir():
+        data = json.loads(cell.read_text())
+        assert data["client"]["client_processes"] == 2
+        assert data["metrics"]["completed"] > 0 and data["metrics"]["failed"] == 0
+
+
 def test_the_same_start_error_on_two_configs_in_a_row_aborts_the_sweep_and_still_restores(
         suite_dir: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DDTREE_FAKE_START_ERROR", "--speculative-algorithm DDTREE::ImportError: libcuda.so.1: "
@@ -268,13 +277,14 @@ def test_ctrl_c_restores_and_verifies_the_default(suite_dir: pytest.Pytester) ->
     ("args", "message"),
     [
         (["--repeats", "0"], "ERROR: --repeats: '0' is not valid; expected an integer >= 1"),
+        (["--client-processes", "0"], "ERROR: --client-processes: '0' is not valid; expected an integer >= 1"),
         (["--service", "docker"], "ERROR: --service: 'docker' is not valid; expected one of local, sglang, systemd, url, fake"),
         (["--floor-tolerance", "2"], "ERROR: --floor-tolerance: '2' is not valid; expected a fraction in [[]0, 1)*"),
         (["--startup-timeout", "soon"], "ERROR: --startup-timeout: 'soon' is not valid; expected a number of seconds > 0"),
         (["--service", "url"], "ERROR: --service url needs --service-url http://HOST:PORT"),
         (["--config-grid", "nope"], "ERROR: --config-grid: config grid 'nope': no file *; known grids: *"),
     ],
-    ids=["repeats", "service", "tolerance", "startup-timeout", "url-without-url", "grid-name"],
+    ids=["repeats", "client-processes", "service", "tolerance", "startup-timeout", "url-without-url", "grid-name"],
 )
 def test_bad_option_values_are_usage_errors(suite_dir: pytest.Pytester, args: list[str], message: str) -> None:
     result = suite_dir.runpytest_subprocess(*FAKE, "--collect-only", *args)
