@@ -12,6 +12,7 @@ recognised by their length and accumulated.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import functools
 import json
@@ -267,6 +268,13 @@ def _run_share(args: tuple[Any, ...]) -> list[RequestRecord]:
 
 
 _POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    """Shut the pools down while the interpreter is whole (collected at teardown, they complain on stderr)."""
+    while _POOLS:
+        _POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
 
 
 def _ready(pause_s: float) -> int:
