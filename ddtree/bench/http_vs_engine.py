@@ -152,9 +152,10 @@ def _sync(engine: Any) -> None:
 
 
 def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], concurrency: int,
-                   max_new_tokens: int) -> list[RequestRecord]:
+                   max_new_tokens: int, step_seconds: list[float] | None = None) -> list[RequestRecord]:
     """Every prompt once through `batch`, `concurrency` in flight (closed loop, FIFO), greedy, ignore_eos;
-    a RequestRecord per prompt with the times a client would see (TTFT at the first token handed back)."""
+    a RequestRecord per prompt with the times a client would see (TTFT at the first token handed back).
+    step_seconds: each decode round's time is appended to it."""
     records = [RequestRecord(ok=False, prompt_tokens=len(p)) for p in prompts]
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -183,8 +184,6 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
 
     _sync(engine)
     running = 0
-    round_s = 0.0
-    rounds = 0
     while waiting or running:
         room = min(concurrency - running, batch.free_slots, len(waiting))
         if room:
@@ -199,13 +198,11 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
         else:
             started = time.perf_counter()
             outputs = batch.step()
-            round_s += time.perf_counter() - started
-            rounds += 1
+            if step_seconds is not None:
+                step_seconds.append(time.perf_counter() - started)
         now = time.perf_counter()
         absorb(outputs, now)
         running -= sum(1 for o in outputs if o.finished)
-    if rounds:
-        records[0].round_ms = 1000.0 * round_s / rounds  # type: ignore[attr-defined]  # read by _cell
     return records
 
 
@@ -464,10 +461,11 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
             _sync(engine)
             t0 = time.perf_counter()
             if mode == "engine":
-                records = run_in_process(engine, batch, timed, conc, args.max_new_tokens)
+                steps: list[float] = []
+                records = run_in_process(engine, batch, timed, conc, args.max_new_tokens, steps)
                 _sync(engine)
                 wall = time.perf_counter() - t0
-                round_ms = getattr(records[0], "round_ms", None)
+                round_ms = 1000.0 * statistics.fmean(steps) if steps else None
             else:
                 before = server_rounds(url)
                 records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
