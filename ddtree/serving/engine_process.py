@@ -74,7 +74,7 @@ class EngineStartError(Exception):
         self.exit_code = exit_code
 
 
-class ServedBatch(Protocol):
+class SchedulerFactory(Protocol):
     """How the child turns a loaded engine into the Scheduler it runs (ddtree.serving.state.open_scheduler)."""
 
     def __call__(self, engine: Any, context_length: int, metrics: Any, deliver: Any) -> Scheduler: ...
@@ -272,7 +272,7 @@ def read_frames(fd: int) -> Iterator[Any]:
 
 
 def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
-                load: Callable[[], tuple[Any, int]], serve: ServedBatch, log_level: str) -> None:
+                load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str) -> None:
     """The child: load, report, then run the Scheduler until "stop" or until the HTTP process is gone."""
     for fd in parent_ends:  # forked copies of the HTTP side's ends: kept open, they would hide its death
         os.close(fd)
@@ -336,7 +336,7 @@ class EngineProcess:
     runs on that loop, except `stop()`, which may run on any thread.
     """
 
-    def __init__(self, load: Callable[[], tuple[Any, int]], serve: ServedBatch, log_level: str = "info") -> None:
+    def __init__(self, load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str = "info") -> None:
         """load() -> (engine, context_length), in the child; serve(engine, context_length, metrics, deliver)
         -> the Scheduler it runs there."""
         context = multiprocessing.get_context("fork")

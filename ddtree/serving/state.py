@@ -1,9 +1,11 @@
 """One served model: the scheduler, the per-request streams back into asyncio, and the response fields.
 
-`ServerState` is what the routes talk to. A `RequestStream` turns the scheduler thread's events
-into an async iterator on the event loop and accumulates what the response reports: output ids,
-verify steps, accept lengths, the finish reason. The scheduler hands over each round's events in
-one `loop.call_soon_threadsafe`; a stream that has not caught up yields once for every round that
+`ServerState` is what the routes talk to. Its scheduler runs in the engine process
+(ddtree.serving.engine_process, whose events arrive on the loop as its pipe is read) or, for an engine
+object handed to create_app, on a thread of this process (each round's events in one
+`loop.call_soon_threadsafe`). A `RequestStream` turns the events into an async iterator on the event loop
+and accumulates what the response reports: output ids, verify steps, accept lengths, the finish reason.
+A stream that has not caught up yields once for every round that
 arrived meanwhile (a slow client gets fewer, larger chunks, and the loop's work stays bounded by
 what it can send), and a non-streaming request wakes only when it has finished.
 """
