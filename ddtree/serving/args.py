@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -173,6 +174,9 @@ def spec_from_args(args: ServerArgs) -> SpecConfig:
 def _default_device() -> str:
     import torch  # imported late: parsing --help should not pay for torch
 
+    # Asked through NVML: torch's default answer initializes CUDA in this process, and the server forks its
+    # engine process afterwards (CUDA does not survive a fork).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
