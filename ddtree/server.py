@@ -1,8 +1,10 @@
 """`python -m ddtree.server`: the engine behind SGLang's HTTP API, with continuous batching.
 
-    create_app(engine, spec, args, codec=None) -> FastAPI   # any engine with open_batch (tests pass a fake)
-    build_parser() -> argparse.ArgumentParser               # SGLang's flag names
-    main(argv=None) -> int                                  # 0 after a clean SIGTERM drain, 2 on a bad flag
+    create_app(engine, spec, args, codec=None, scheduler=None) -> FastAPI
+        # an engine with open_batch, served by a thread (tests pass a fake); or an EngineProcess's report
+    start_engine(load, args) -> EngineProcess   # fork the engine process; serve(engine, args, codec) -> status
+    build_parser() -> argparse.ArgumentParser   # SGLang's flag names
+    main(argv=None) -> int                      # 0 after a clean SIGTERM drain, 2 on a bad flag
 
 Start-up: parse and check flags (exit 2 before loading anything), load the engine, log the init
 line, serve; a warm-up generation runs through the batch and only then do /health and
