@@ -124,14 +124,27 @@ def gpu_name() -> str | None:
 
 
 def git_commit(repo_dir: str | Path | None = None) -> str:
-    """`git rev-parse HEAD` of the working tree (the package's repo by default); "unknown" if none."""
+    """The commit the results come from: `DDTREE_COMMIT` when set (a copied tree whose git state is
+    not its own), else `git rev-parse HEAD` of the working tree (the package's repo by default), with
+    "+dirty" when tracked files differ from it; "unknown" if neither."""
+    pinned = os.environ.get("DDTREE_COMMIT", "").strip()
+    if pinned:
+        return pinned
     where = Path(repo_dir) if repo_dir is not None else Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
                              text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    commit = out.stdout.strip()
+    if not commit:
+        return "unknown"
+    try:
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=where,
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return commit
+    return commit + "+dirty" if diff.returncode == 1 else commit
 
 
 # -- files -------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,22 @@ def test_restore_record_and_commit(tmp_path: Path) -> None:
     write_restore(tmp_path, {"ok": True, "config_id": "ar", "checks": ["server_info"]})
     assert read_restore(tmp_path) == {"ok": True, "config_id": "ar", "checks": ["server_info"]}
     assert git_commit(tmp_path) == "unknown"  # not a repository
+
+
+def test_commit_is_pinned_or_marked_dirty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DDTREE_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("one\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("two\n")  # a tree that is not its HEAD says so
+    assert git_commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv("DDTREE_COMMIT", "abc1234")  # a copied tree names its commit
+    assert git_commit(tmp_path) == "abc1234"
 
 
 def test_build_fills_environment(tmp_path: Path) -> None:
