@@ -22,6 +22,8 @@ from ddtree.errors import ConfigError
 
 FAIL_TOKEN = 666  # a prompt starting with it gets HTTP 500
 HANG_TOKEN = 777  # a prompt starting with it never answers
+SPLIT_TOKEN = 888  # a prompt starting with it gets each event in two writes, split inside its JSON
+CUT_TOKEN = 999  # a prompt starting with it gets a stream that ends without [DONE]
 TOKENS_PER_CHUNK = 3  # like speculative decoding: several tokens per streamed chunk
 STEP_S = 0.01
 
@@ -82,8 +84,13 @@ def make_app(state: FakeState) -> FastAPI:
                     n = min(n + TOKENS_PER_CHUNK, max_new)
                     chunk = {"text": "", "output_ids": output[:n],
                              "meta_info": meta(prompt, n, n == max_new, max_new)}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
+                    event = f": a comment line\ndata: {json.dumps(chunk)}\n\n"
+                    if prompt[0] == SPLIT_TOKEN:
+                        yield event[:25]
+                        await asyncio.sleep(STEP_S)
+                    yield event[25:] if prompt[0] == SPLIT_TOKEN else event
+                if prompt[0] != CUT_TOKEN:
+                    yield "data: [DONE]\n\n"
             finally:
                 leave()
 
@@ -173,6 +180,18 @@ def test_failures_are_recorded_not_raised(server: tuple[str, FakeState]) -> None
     assert records[1].error is not None and "HTTP 500" in records[1].error and "boom" in records[1].error
     assert records[2].error is not None and "timeout" in records[2].error
     assert records[2].e2e_s is not None and records[2].e2e_s >= 1.0
+
+
+def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, FakeState]) -> None:
+    """An event arriving in two pieces is read whole, once; a stream without [DONE] is a failed request."""
+    url, _ = server
+    records = run_load(url, [[SPLIT_TOKEN, 1], [CUT_TOKEN, 1]], concurrency=2, max_new_tokens=7, timeout_s=20)
+    split, cut = records
+    assert split.ok, split.error
+    assert split.output_ids == [(SPLIT_TOKEN + i) % 1000 for i in range(7)] and split.completion_tokens == 7
+    assert len(split.itl_s) == 2 and split.spec_verify_ct == 3 and split.finish_reason == "length"
+    assert not cut.ok and cut.error == "stream ended without 'data: [DONE]'"
+    assert cut.completion_tokens == 7  # what arrived before the cut is still counted
 
 
 def test_connection_error_is_recorded() -> None:
