@@ -29,27 +29,33 @@ DEFAULT_CONFIGS = [f"dflash-w{w}-bs{bs}" for bs in (8, 16) for w in (2048, "none
 ]
 
 
-def heldout_files(target_dir: Path) -> list[Path]:
-    """The held-out stdlib files named in the target's model card, resolved against this Python's stdlib."""
+def heldout_files(target_dir: Path, stdlib_root: Path | None = None) -> list[Path]:
+    """The held-out stdlib files named in the target's model card, resolved against stdlib_root (None:
+    this Python's stdlib; another Python's lacks some of them, so a copy of the card's can be named)."""
     card = (target_dir / "README.md").read_text()
     line = next((ln for ln in card.splitlines() if ln.startswith("- Held out")), "")
     names = [n.strip() for n in line.split(":", 1)[-1].split(",") if n.strip().endswith(".py")]
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(stdlib_root) if stdlib_root is not None else Path(sysconfig.get_paths()["stdlib"])
     return [root / n for n in names if (root / n).is_file()]
 
 
-def heldout_prompts(target_dir: Path, count: int, context: int) -> list[list[int]]:
+def heldout_prompts(target_dir: Path, count: int, context: int, stdlib_root: Path | None = None,
+                    per_file: int = 1) -> list[list[int]]:
+    """`count` prompts of exactly `context` tokens: each file's first window, then (per_file > 1) the
+    next non-overlapping windows of the files long enough, one round over the files at a time."""
     codec = load_tokenizer(target_dir)
     if codec is None:
         raise SystemExit(f"{target_dir}: no tokenizer.json")
+    if per_file < 1:
+        raise SystemExit(f"--per-file: {per_file} is out of range (allowed >= 1)")
+    files = [codec.encode(path.read_text(encoding="utf-8", errors="replace"))
+             for path in heldout_files(target_dir, stdlib_root)]
     prompts: list[list[int]] = []
-    for path in heldout_files(target_dir):
-        ids = codec.encode(path.read_text(encoding="utf-8", errors="replace"))
-        for start in range(0, len(ids) - context, max(context, len(ids) // 2)):
-            prompts.append(ids[start : start + context])
-            break  # one prompt per file: spread over many files
-        if len(prompts) == count:
-            break
+    for r in range(per_file):
+        for ids in files:
+            start = r * context
+            if start + context < len(ids) and len(prompts) < count:  # one token left over: AR has a next token
+                prompts.append(ids[start : start + context])
     if len(prompts) < count:
         raise SystemExit(f"only {len(prompts)} held-out prompts of {context} tokens (wanted {count})")
     return prompts
@@ -89,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="prompts per engine.generate call")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--stdlib-root", type=Path, default=None,
+                   help="where the card's held-out files are (default: this Python's stdlib)")
+    p.add_argument("--per-file", type=int, default=1, help="at most this many non-overlapping prompts per file")
     args = p.parse_args(argv)
 
     engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
-    prompts = heldout_prompts(args.target, args.prompts, args.context)
+    prompts = heldout_prompts(args.target, args.prompts, args.context, args.stdlib_root, args.per_file)
     ar = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), args.max_new_tokens, args.batch)
     rows = [ar]
     print(f"{'config':22} {'tau':>6} {'tok/s':>8} {'vs AR':>6}  lossless")
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         summary = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
         meta = {"prompts": args.prompts, "context": args.context, "max_new_tokens": args.max_new_tokens,
-                "device": args.device, "batch": args.batch}
+                "device": args.device, "batch": args.batch, "per_file": args.per_file, "drafter": str(args.drafter)}
         args.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))
     return 0 if all(r.get("lossless", True) for r in rows) else 1
 

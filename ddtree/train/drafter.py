@@ -54,7 +54,7 @@ class DrafterShape:
     intermediate_size: int | None = None  # None: the target's
     target_layer_ids: tuple[int, ...] | None = None  # None: z-lab's spread over the target's layers
     init: str = "random"  # "random" | "target" (copy the target's last layers)
-    init_from: str | None = None  # a drafter folder to start from (fine-tuning); shapes must match
+    init_from: str | None = None  # a drafter folder to start from (fine-tuning); see init_from_drafter
 
     def __post_init__(self) -> None:
         if self.num_hidden_layers < 1:
@@ -249,6 +249,38 @@ def init_from_target(drafter: Any, target: Any) -> list[int]:
     return src
 
 
+# what a fine-tune may change against the drafter it starts from: the weights carry over unchanged
+_GROWABLE_FIELDS = ("num_hidden_layers", "layer_types", "block_size", "sliding_window")
+
+
+def init_from_drafter(drafter: Any, start: Any, where: str) -> list[int]:
+    """Load `start`'s weights into `drafter`; return the indices of the layers it adds (grown).
+
+    The two may differ in block size, window and depth (the new drafter at least as deep). Layers
+    past start's begin random with their attention output and MLP down projections zeroed, so
+    their residual branches add nothing: the grown drafter starts out computing what `start` does.
+    """
+    a, b = start.config, drafter.config
+    other = [f for f in type(a).__dataclass_fields__ if f not in _GROWABLE_FIELDS and getattr(a, f) != getattr(b, f)]
+    if other or b.num_hidden_layers < a.num_hidden_layers:
+        what = ", ".join(f"{f} {getattr(a, f)} -> {getattr(b, f)}" for f in other) or (
+            f"num_hidden_layers {a.num_hidden_layers} -> {b.num_hidden_layers} (fewer)")
+        raise ConfigError(f"init_from: {where} does not fit the drafter being trained ({what}); only more layers, "
+                          "another block size or window may differ")
+    missing, unexpected = drafter.load_state_dict(start.state_dict(), strict=False)
+    if unexpected:
+        raise ConfigError(f"init_from: {where} has weights the drafter lacks: {unexpected[:4]}")
+    grown = list(range(a.num_hidden_layers, b.num_hidden_layers))
+    with torch.no_grad():
+        for i in grown:
+            drafter.layers[i].self_attn.o_proj.weight.zero_()
+            drafter.layers[i].mlp.down_proj.weight.zero_()
+    left = [k for k in missing if not any(k.startswith(f"layers.{i}.") for i in grown)]
+    if left:
+        raise ConfigError(f"init_from: {where} lacks weights the drafter needs: {left[:4]}")
+    return grown
+
+
 def train_drafter(
     data_dir: str | Path,
     target_dir: str | Path,
@@ -290,11 +322,10 @@ def train_drafter(
     config = shape.config(target.config)
     drafter = init_drafter(config, target, seed=opts.seed).to(torch.float32)
     copied = init_from_target(drafter, target) if shape.init == "target" else []
+    grown: list[int] = []
     if shape.init_from is not None:
         start = load_drafter(shape.init_from, target, device=device, dtype=torch.float32)
-        if start.config != config:
-            raise ConfigError(f"init_from: {shape.init_from} has another shape than the drafter being trained")
-        drafter.load_state_dict(start.state_dict())
+        grown = init_from_drafter(drafter, start, shape.init_from)
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     optimizer = make_optimizer(list(drafter.named_parameters()), opts, device)
@@ -367,6 +398,7 @@ def train_drafter(
         "options": opts.to_dict(),
         "shape": asdict(shape) | {"target_layer_ids": list(config.target_layer_ids)},
         "init_copied_target_layers": copied,
+        "init_grown_layers": grown,
         "label": label,
         "rollouts": roll_info,
         "parameters": n_params,
@@ -408,6 +440,9 @@ def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
     origin = "trained from scratch"
     if sh.get("init_from"):
         init = f"the weights of the drafter in `{sh['init_from']}` (fine-tuned from there; see its own card)"
+        if s.get("init_grown_layers"):
+            init += (f"; layers {s['init_grown_layers']} added, random with their attention output and MLP down "
+                     "projections zeroed, so training starts from the smaller drafter's outputs")
         origin = f"fine-tuned from the drafter in `{sh['init_from']}`"
     gamma_note = f"exp(-(k-1)/{sh['gamma']:g})"
     label_note = label_description(s.get("label", "data"))

@@ -81,6 +81,18 @@ class Rollouts:
         return cls(flat, offsets, np.array([len(p) for p in prompts], dtype=np.int32),
                    np.array([len(g) for g in gens], dtype=np.int32))
 
+    @classmethod
+    def from_batches(cls, batches: list[tuple[np.ndarray, np.ndarray]]) -> Rollouts:
+        """(prompts[rows, n], generated[rows, g]) blocks, one prompt length per block."""
+        if not batches:
+            return cls.from_lists([], [])
+        flat = np.concatenate([np.concatenate([p, g], axis=1).ravel() for p, g in batches]).astype(np.uint16)
+        lens = np.concatenate([np.full(p.shape[0], p.shape[1] + g.shape[1], dtype=np.int64) for p, g in batches])
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        prompt_lens = np.concatenate([np.full(p.shape[0], p.shape[1], dtype=np.int32) for p, g in batches])
+        gen_lens = np.concatenate([np.full(g.shape[0], g.shape[1], dtype=np.int32) for p, g in batches])
+        return cls(flat, offsets, prompt_lens, gen_lens)
+
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / (ROLLOUTS_NPZ + ".tmp.npz")
@@ -99,50 +111,86 @@ class Rollouts:
         return r
 
 
-def sample_windows(n_tokens: int, spec: RolloutSpec, count: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """(start, length) of `count` prompt windows: length uniform in [min, max], start uniform."""
-    hi = min(spec.prompt_len_max, n_tokens)
-    if hi < spec.prompt_len_min:
-        raise ConfigError(f"prompt_len_min: {spec.prompt_len_min} exceeds the {n_tokens} tokens of the data")
-    lens = rng.integers(spec.prompt_len_min, hi + 1, size=count)
-    starts = rng.integers(0, n_tokens - lens + 1)
-    return list(zip(starts.tolist(), lens.tolist()))
+# KV-cache slots one rollout batch may hold (rows x (prompt + generated)); ~12 GiB for the fixture target in float32
+KV_TOKENS_PER_BATCH = 1 << 21
+# query x key elements of one prefill forward (its attention mask and scores stay ~0.5 GiB)
+PREFILL_ELEMENTS = 1 << 27
+
+
+@torch.no_grad()
+def greedy_continue(target: Any, prompts: torch.Tensor, gen_len: int, chunk: int = 512) -> torch.Tensor:
+    """prompts[B, L] long (one length for the batch) -> the target's greedy continuations [B, gen_len] (CPU).
+
+    Plain greedy decoding straight on the target's KV cache: the prefill runs in chunks of rows and
+    tokens so its attention mask stays small, then one forward per generated token for the whole
+    batch, with no per-request bookkeeping and no host sync until the end. The engine's AR path gives
+    the same tokens (tests/unit/test_train.py checks it) but spends its time on scheduling, which
+    rollouts of tens of thousands of sequences cannot afford.
+    """
+    bs, n = prompts.shape
+    dev = target.device
+    prompts = prompts.to(dev)
+    cache = target.new_cache(bs, n + gen_len)
+    rows = max(1, min(bs, PREFILL_ELEMENTS // (chunk * (n + gen_len))))
+    last = torch.empty(bs, dtype=torch.long, device=dev)
+    for r0 in range(0, bs, rows):
+        part = cache.rows(r0, min(bs, r0 + rows))
+        for c0 in range(0, n, chunk):
+            ids = prompts[r0 : r0 + part.batch, c0 : c0 + chunk]
+            q = ids.shape[1]
+            pos = torch.arange(c0, c0 + q, device=dev)[None, :].expand(part.batch, q)
+            logits, _ = target.forward(ids, pos, part, kv_len_hint=c0 + q,
+                                       logit_positions=torch.full((part.batch, 1), q - 1, device=dev))
+            part.advance(torch.full((part.batch,), q, device=dev))
+        last[r0 : r0 + part.batch] = logits[:, -1].argmax(-1)
+    out = torch.empty(bs, gen_len, dtype=torch.long, device=dev)
+    out[:, 0] = last
+    one = torch.ones(bs, dtype=torch.long, device=dev)
+    for t in range(1, gen_len):
+        pos = torch.full((bs, 1), n + t - 1, dtype=torch.long, device=dev)
+        logits, _ = target.forward(out[:, t - 1 : t], pos, cache, kv_len_hint=n + t)
+        cache.advance(one)
+        out[:, t] = logits[:, -1].argmax(-1)
+    return out.cpu()
 
 
 def generate_rollouts(
     target: Any, tokens: np.ndarray, spec: RolloutSpec, stream: TextIO | None = None
 ) -> tuple[Rollouts, dict[str, Any]]:
-    """Greedy (T=0, EOS ignored) continuations by `target` of spec.num random windows of `tokens`."""
-    from ddtree.config import SpecConfig
-    from ddtree.engine import Engine
+    """Greedy (T=0, EOS ignored) continuations by `target` of spec.num random windows of `tokens`.
 
-    engine = Engine(target)
-    ar = SpecConfig(algorithm="NONE")
+    Each batch draws one prompt length uniform in [prompt_len_min, prompt_len_max] and random starts,
+    so its rows need no padding; a batch holds at most spec.batch_size rows and KV_TOKENS_PER_BATCH slots.
+    """
     rng = np.random.default_rng(spec.seed)
-    windows = sample_windows(int(tokens.size), spec, spec.num, rng)
-    prompts: list[list[int]] = []
-    gens: list[list[int]] = []
+    hi = min(spec.prompt_len_max, int(tokens.size) - 1)
+    if hi < spec.prompt_len_min:
+        raise ConfigError(f"prompt_len_min: {spec.prompt_len_min} exceeds the {tokens.size} tokens of the data")
+    batches: list[tuple[np.ndarray, np.ndarray]] = []  # (prompts[rows, n], generated[rows, gen_len]) uint16
+    done = 0
     t0 = time.perf_counter()
     last_batch_s = 0.0
     stopped_early = False
-    for b in range(0, spec.num, spec.batch_size):
+    while done < spec.num:
         elapsed = time.perf_counter() - t0
         # a batch that would not finish inside the budget is not started
         if spec.time_budget_s is not None and elapsed + last_batch_s > spec.time_budget_s:
             stopped_early = True
-            print(f"[rollouts] time budget: stopping after {len(prompts)} of {spec.num} sequences", file=stream, flush=True)
+            print(f"[rollouts] time budget: stopping after {done} of {spec.num} sequences", file=stream, flush=True)
             break
         tb = time.perf_counter()
-        batch = [np.asarray(tokens[s : s + n], dtype=np.int64).tolist() for s, n in windows[b : b + spec.batch_size]]
-        results = engine.generate(batch, spec.gen_len, temperature=0.0, spec=ar, ignore_eos=True)
-        prompts.extend(batch)
-        gens.extend(r.token_ids for r in results)  # type: ignore[union-attr]
+        n = int(rng.integers(spec.prompt_len_min, hi + 1))
+        rows = max(1, min(spec.batch_size, spec.num - done, KV_TOKENS_PER_BATCH // (n + spec.gen_len)))
+        starts = rng.integers(0, tokens.size - n + 1, size=rows)
+        batch = np.stack([np.asarray(tokens[s : s + n], dtype=np.int64) for s in starts])
+        out = greedy_continue(target, torch.from_numpy(batch), spec.gen_len)
+        batches.append((batch.astype(np.uint16), out.numpy().astype(np.uint16)))
+        done += rows
         last_batch_s = time.perf_counter() - tb
-        done = len(prompts)
-        gen_tps = len(batch) * spec.gen_len / max(last_batch_s, 1e-9)
-        print(f"[rollouts] {done}/{spec.num} sequences, {gen_tps:,.0f} generated tok/s, "
-              f"elapsed {time.perf_counter() - t0:.0f}s", file=stream, flush=True)
-    rollouts = Rollouts.from_lists(prompts, gens)
+        gen_tps = rows * spec.gen_len / max(last_batch_s, 1e-9)
+        print(f"[rollouts] {done}/{spec.num} sequences (batch {rows} x {n}+{spec.gen_len}), "
+              f"{gen_tps:,.0f} generated tok/s, elapsed {time.perf_counter() - t0:.0f}s", file=stream, flush=True)
+    rollouts = Rollouts.from_batches(batches)
     info = {
         "sequences": len(rollouts),
         "requested": spec.num,

@@ -281,6 +281,41 @@ def test_drafter_card_says_fine_tuned_when_started_from_a_drafter(data_dir: Path
     assert "trained from scratch" not in card and f"fine-tuned from the drafter in `{tmp_path / 'a'}`" in card
 
 
+def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir: Path, target_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from ddtree.models import init_drafter, load_drafter, load_target
+    from ddtree.train.drafter import init_from_drafter
+
+    train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
+    target = load_target(target_dir)
+    small = load_drafter(tmp_path / "a", target, dtype=torch.float32)
+    # same taps as the small one; two more layers and block 8
+    shape = replace(TINY_DRAFTER, num_hidden_layers=3, block_size=8, target_layer_ids=small.config.target_layer_ids)
+    big = init_drafter(shape.config(target.config), target, seed=1).to(torch.float32)
+    assert init_from_drafter(big, small, "a") == [1, 2]
+    ids = torch.randint(2, target.config.vocab_size, (2, 40))
+    anchors = torch.tensor([[3, 17], [9, 30]])
+    with torch.no_grad():
+        _, taps = target.forward_train(ids, list(small.config.target_layer_ids))
+        want = small.forward_train(taps, ids, anchors, 8, 32)
+        got = big.forward_train(taps, ids, anchors, 8, 32)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert big.layers[2].mlp.down_proj.weight.abs().sum() == 0 and big.layers[2].mlp.up_proj.weight.abs().sum() > 0
+    # fewer layers, or another tap set, do not fit
+    with pytest.raises(ConfigError, match="init_from: a does not fit.*fewer"):
+        init_from_drafter(small, big, "a")
+    other = init_drafter(replace(TINY_DRAFTER, target_layer_ids=(0,)).config(target.config), target, seed=1)
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        init_from_drafter(other.to(torch.float32), small, "a")
+    # through train_drafter, the card says which layers were added
+    summary = train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0),
+                            replace(shape, init_from=str(tmp_path / "a")))
+    assert summary["init_grown_layers"] == [1, 2]
+    assert "layers [1, 2] added" in (tmp_path / "b" / "README.md").read_text()
+
+
 def test_time_budget_stops_early_and_still_saves(data_dir: Path, tmp_path: Path) -> None:
     opts = tiny_opts(steps=1_000_000, time_budget_s=1.0, eval_batches=1)
     summary = train_target(data_dir, tmp_path / "t", opts, TINY_TARGET)
