@@ -15,7 +15,8 @@ only host synchronisation per round is the one that hands the new tokens back to
 `budget="auto"`, eager rounds (and a graphed batch's first) have a second one, after step 2, that reads
 the chosen tree size; later graphed rounds choose the next round's size on the device and hand it back
 with the tokens, one round in CHOOSE_EVERY (the rounds between build and verify that size, as a fixed
-budget's round does).
+budget's round does). `step()` is `launch()` then `collect()`: a caller with host work of its own (the
+server's scheduler) does it between the two, while the device runs the round.
 
 On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as one CUDA graph,
 rows padded to a captured bucket, and steps 2, 3 and 5 are one Triton kernel each (ddtree.kernels.tree_ops);
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +53,12 @@ from ddtree.round_costs import CHOOSE_EVERY, RoundCosts
 from ddtree.round_graphs import GraphedRounds, RoundState, Stage, StageTimer
 from ddtree.sampling import Mode, token_logprobs
 from ddtree.slot_sampling import SlotSampling
+
+
+def _no_round() -> Generator[None, None, list[StepOutput]]:
+    """An empty batch's round."""
+    yield
+    return []
 
 
 class BatchEngine(Protocol):
@@ -108,6 +115,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
                                      device=self.device)
         # the first m rows of the cache and the context, by m (views: a round reuses them, not rebuilds them)
         self._views: dict[int, tuple[KVCache, DraftContext | None]] = {}
+        self._launched: Generator[None, None, list[StepOutput]] | None = None  # launch() to collect()
         # Per-slot device state (rows 0..n-1 are live).
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
@@ -140,6 +148,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         field) leaves the batch untouched. The prefill runs in right-padded chunks of at most
         `prefill_tokens` padded tokens, the prompts sorted by length so the padding stays small.
         """
+        self._idle("add")
         seen = {row.request.request_id for row in self.rows}
         for request in requests:
             try:
@@ -161,25 +170,52 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
                 outputs[out.request_id] = out
         return self._retire_finished([outputs[r.request_id] for r in requests])
 
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One round for every running request."""
+        self.launch()
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """Start one round for every running request; `collect` finishes it and returns its outputs.
+
+        The round's device work is enqueued and nothing waits for it (except the rounds of budget auto that
+        read b* before verifying), so between the two the caller may do host work of its own while the
+        device runs: the server hands out the previous round's tokens there. Outputs are step()'s."""
+        if self._launched is not None:
+            raise RuntimeError("a round is already launched: collect it first")
         if not self.rows:
-            return []
-        if self.spec.speculative:
-            outputs = self._speculative_round()
+            self._launched = _no_round()
         else:
-            outputs = self._ar_round()
-        return self._retire_finished(outputs)
+            self._launched = self._speculative_round() if self.spec.speculative else self._ar_round()
+        next(self._launched)  # runs up to the round's host read of its tokens
+
+    @torch.inference_mode()
+    def collect(self) -> list[StepOutput]:
+        """Wait for the launched round; its outputs (finished requests leave the batch)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            raise RuntimeError("no round launched")
+        try:
+            next(launched)
+        except StopIteration as done:
+            return self._retire_finished(done.value)
+        raise AssertionError("a round yields once")  # pragma: no cover
+
+    def _idle(self, action: str) -> None:
+        if self._launched is not None:
+            raise RuntimeError(f"{action} while a round is launched: collect it first")
 
     @torch.inference_mode()
     def clear(self) -> None:
         """Drop every running request (the batch is empty and ready for reuse; graphs stay captured)."""
+        self._idle("clear")
         for slot in reversed(range(len(self.rows))):
             self._remove(slot)
 
     @torch.inference_mode()
     def cancel(self, request_id: str) -> bool:
+        self._idle("cancel")
         for slot, row in enumerate(self.rows):
             if row.request.request_id == request_id:
                 self._remove(slot)
@@ -187,7 +223,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         return False
 
     # -- rounds --------------------------------------------------------------------------------
-    def _ar_round(self) -> list[StepOutput]:
+    def _ar_round(self) -> Generator[None, None, list[StepOutput]]:
         n = len(self.rows)
         m = self._padded_rows(n)
         sampled = self._mode()
@@ -207,6 +243,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             self.bonus[:m] = s.next
 
         s = self._run_stages(("ar", m, sampled), lambda: [("verify", verify), ("walk", walk)], RoundState())
+        yield  # launched: collect() goes on from here
         tokens = s.next[:n].tolist()  # the one sync: hand the tokens back
         logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then
         self.timer.stop()
@@ -218,7 +255,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             outputs.append(emit(row, [tokens[slot]], accept=None, logprobs=logprobs[slot] if wanted else None))
         return outputs
 
-    def _speculative_round(self) -> list[StepOutput]:
+    def _speculative_round(self) -> Generator[None, None, list[StepOutput]]:
         n, cap = len(self.rows), self.spec.budget_cap
         m = self._padded_rows(n)
         graphed = self.graphs is not None
@@ -256,6 +293,10 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             s = self._run_stages(("round", m, budget, sampled, False),
                                  functools.partial(self._round_stages, m, budget, sampled, False, longest), RoundState())
         width = s.accepted.shape[1]
+        paused = time.perf_counter()
+        yield  # launched: collect() goes on from here
+        if self.device.type == "cpu":  # the round ran before the pause; the caller's host work is not its time
+            started += time.perf_counter() - paused
         # The one sync per round: the committed tokens go back to the caller.
         host = s.host[:n].tolist()
         logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then

@@ -201,24 +201,68 @@ class Scheduler:
 
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        """The loop. Each iteration: take the cancels and the arrivals, launch a round, hand out the round
+        before it, collect the new one (held until the next iteration).
+
+        While nothing joins or leaves, the previous round's outputs are handed out (metrics, events, the
+        relay's pickle and pipe write) after the next round is launched, while the device runs it; otherwise
+        they go first, so a request that finished in a round is never reported as cancelled after it, and a
+        cancel or a prefill sees what the rounds before it produced. Either way every request sees its own
+        events in order, each once, and the batch runs the same rounds."""
         self._warm_up()
+        batch, cond, pending = self.batch, self._cond, self._pending
+        launch = getattr(batch, "launch", None)
+        collect = getattr(batch, "collect", None)
+        split = launch is not None and collect is not None
+        held: tuple[list[StepOutput], float] | None = None  # the last round's outputs, and its seconds
+        load = None
         while True:
-            with self._cond:
-                while not (self._stop or self._pending or self._cancels or self._running):
-                    self._cond.wait()
+            with cond:
+                while not (self._stop or pending or self._cancels or self._running or held):
+                    cond.wait()
                 if self._stop:
                     break
-                cancels, self._cancels = self._cancels, set()
-                room = min(self.batch.free_slots, self.max_running - len(self._running))
-                admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-            for request_id in cancels:
-                self._cancel_running(request_id)
-            self._admit_all(admit)
-            self._flush()  # first tokens leave before the round, not after it (TTFT)
-            self.metrics.set_load(len(self._running), len(self._pending))
-            if self._running:
-                self._round()
+                cancels = admit = None
+                if self._cancels:
+                    cancels, self._cancels = self._cancels, set()
+                if pending:
+                    room = min(batch.free_slots, self.max_running - len(self._running))
+                    admit = [pending.popleft() for _ in range(min(room, len(pending)))]
+            if held is not None and (cancels or admit):
+                self._hand_out(*held)  # before the cancels and the prefills, as they came
+                held = None
+            if cancels:
+                for request_id in cancels:
+                    self._cancel_running(request_id)
+            if admit:
+                self._admit_all(admit)
+                self._flush()  # first tokens leave before the round, not after it (TTFT)
+            started = time.perf_counter()
+            launched = batch.active > 0
+            if launched and split:
+                try:
+                    launch()
+                except Exception as err:
+                    if held is not None:
+                        self._hand_out(*held)
+                        held = None
+                    self._round_failed(err)
+                    launched = False
+            if held is not None:
+                self._hand_out(*held)  # while the device runs the round just launched
+                held = None
+            if (len(self._running), len(pending)) != load:
+                load = (len(self._running), len(pending))
+                self.metrics.set_load(*load)
             self._flush()
+            if launched:
+                if not split:
+                    started = time.perf_counter()  # a whole step() from here
+                outputs = self._collect(collect if split else batch.step)
+                if outputs is not None:
+                    held = (outputs, time.perf_counter() - started)
+        if held is not None:
+            self._hand_out(*held)
         for request_id in list(self._running):
             self._cancel_running(request_id)
         with self._cond:
@@ -326,44 +370,57 @@ class Scheduler:
             self.metrics.record_admitted(len(request.prompt_ids))
         self._dispatch(first or [])
 
-    def _round(self) -> None:
-        started = time.perf_counter()
+    def _collect(self, collect: Callable[[], list[StepOutput]]) -> list[StepOutput] | None:
+        """The launched round's outputs (or a whole step()'s); None if it failed."""
         try:
-            outputs = self.batch.step()
+            outputs = collect()
         except Exception as err:
-            log.exception("decode round failed; aborting %d running request(s)", len(self._running))
-            for request_id, ticket in list(self._running.items()):
-                try:
-                    self.batch.cancel(request_id)
-                except Exception:
-                    log.exception("cancel after a failed round failed for %s", request_id)
-                self._running.pop(request_id)
-                self._fail(ticket, Failure(request_id, f"decode failed: {err}", 500))
-            return
+            self._round_failed(err)
+            return None
         self.rounds += 1
         self.last_round_at = time.monotonic()
-        tokens = self._dispatch(outputs)
-        self.metrics.record_round(tokens, time.perf_counter() - started)
+        return outputs
+
+    def _hand_out(self, outputs: list[StepOutput], seconds: float) -> None:
+        """A collected round's outputs to their requests, and the round to the metrics (`seconds`: from its
+        launch to its outputs, what DecodeBatch.step() takes)."""
+        self.metrics.record_round(self._dispatch(outputs), seconds)
+
+    def _round_failed(self, err: Exception) -> None:
+        log.error("decode round failed; aborting %d running request(s)", len(self._running), exc_info=err)
+        for request_id, ticket in list(self._running.items()):
+            try:
+                self.batch.cancel(request_id)
+            except Exception:
+                log.exception("cancel after a failed round failed for %s", request_id)
+            self._running.pop(request_id)
+            self._fail(ticket, Failure(request_id, f"decode failed: {err}", 500))
+        self._flush()
 
     def _dispatch(self, outputs: list[StepOutput]) -> int:
-        """Queue each output for its request (metrics summed over the outputs); returns the tokens handed out."""
+        """Queue each output for its request (metrics summed over the outputs); returns the tokens handed out.
+        Once per row per round: kept to plain loops and local names."""
+        running, outbox = self._running, self._outbox
         tokens = counted_tokens = steps = drafts = 0
         for out in outputs:
-            ticket = self._running.get(out.request_id)
+            ticket = running.get(out.request_id)
             if ticket is None:
                 continue  # cancelled between rounds
             new = len(out.new_token_ids)
             tokens += new
             if ticket.counted:
                 counted_tokens += new
-                steps += max(out.verify_steps - ticket.verify_steps, 0)
-                drafts += sum(max(a - 1, 0) for a in out.accept_lengths)
+                if out.verify_steps > ticket.verify_steps:
+                    steps += out.verify_steps - ticket.verify_steps
+                for a in out.accept_lengths:
+                    if a > 1:
+                        drafts += a - 1
             ticket.verify_steps = out.verify_steps
             if out.finished:
-                self._running.pop(out.request_id)
+                del running[out.request_id]
                 self._finish(ticket, out)
             else:
-                self._outbox.append((ticket.sink, out))
+                outbox.append((ticket.sink, out))
         if counted_tokens or steps:
             self.metrics.record_progress(counted_tokens, steps, drafts)
         return tokens

@@ -1,0 +1,252 @@
+"""The scheduler's round loop: a round's outputs are handed out while the next round runs on the device, and
+nothing a request sees changes for it (order, finish against cancel, failures, metrics, T = 0 outputs)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from ddtree.bench import http_vs_engine as hve
+from ddtree.config import SpecConfig
+from ddtree.engine import Engine, Request, StepOutput
+from ddtree.serving.scheduler import Failure, Scheduler
+from tests.unit.test_engine import AR, make_engine, prompts
+
+EMU = SpecConfig.from_id("ar")
+
+
+class SplitBatch(hve.EmulatedBatch):
+    """An emulated batch with DecodeBatch's launch()/collect(), logging every call the scheduler makes.
+
+    on_collect(round index) runs inside collect(), as an arrival or a cancel would land while the device
+    works; fail_at: the round whose launch ("launch", k) or collect ("collect", k) raises (once)."""
+
+    def __init__(self, max_batch: int = 4, tokens: int = 1) -> None:
+        super().__init__(EMU, max_batch, 512, round_s=0.0, prefill_s=0.0, tokens_per_round=tokens)
+        self.log: list[tuple[str, Any]] = []
+        self.launched = False
+        self.collected = 0
+        self.on_collect: Any = None
+        self.fail_at: tuple[str, int] | None = None
+
+    def launch(self) -> None:
+        assert not self.launched, "launched twice"
+        if self.fail_at == ("launch", self.collected):
+            self.fail_at = None
+            raise RuntimeError("launch blew up")
+        self.launched = True
+        self.log.append(("launch", self.collected))
+
+    def collect(self) -> list[StepOutput]:
+        assert self.launched, "collect without a launch"
+        self.launched = False
+        k = self.collected
+        self.collected += 1
+        if self.fail_at == ("collect", k):
+            self.fail_at = None
+            raise RuntimeError("collect blew up")
+        outputs = super().step()
+        self.log.append(("collect", k))
+        if self.on_collect is not None:
+            self.on_collect(k)
+        return outputs
+
+    def add_many(self, requests):  # type: ignore[no-untyped-def]
+        assert not self.launched, "prefill while a round is launched"
+        return super().add_many(requests)
+
+    def cancel(self, request_id: str) -> bool:
+        assert not self.launched, "cancel while a round is launched"
+        self.log.append(("cancel", request_id))
+        return super().cancel(request_id)
+
+    def step(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("a batch that splits its rounds is launched and collected, never stepped")
+
+
+class Events:
+    """Every event per request id, as sinks; `done` once every watched request has its last event."""
+
+    def __init__(self, rids: list[str], log: list[tuple[str, Any]] | None = None) -> None:
+        self.got: dict[str, list[StepOutput | Failure]] = {rid: [] for rid in rids}
+        self.log = log
+        self.done = threading.Event()
+
+    def sink(self, rid: str):  # type: ignore[no-untyped-def]
+        def push(ev: StepOutput | Failure) -> None:
+            self.got[rid].append(ev)
+            if self.log is not None:
+                self.log.append(("event", rid))
+            if all(evs and (isinstance(evs[-1], Failure) or evs[-1].finished) for evs in self.got.values()):
+                self.done.set()
+        return push
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for ev in self.got[rid] if isinstance(ev, StepOutput) for t in ev.new_token_ids]
+
+    def last(self, rid: str) -> StepOutput | Failure:
+        return self.got[rid][-1]
+
+
+def run(sched: Scheduler, events: Events, requests: list[Request], timeout: float = 30) -> None:
+    for r in requests:  # queued before the thread starts: one admission takes them together
+        sched.submit(r, events.sink(r.request_id))
+    sched.start()
+    try:
+        assert events.done.wait(timeout), {rid: evs[-1:] for rid, evs in events.got.items()}
+    finally:
+        sched.stop()
+
+
+def test_a_round_is_handed_out_while_the_next_one_runs() -> None:
+    batch = SplitBatch()
+    events = Events(["a"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    run(sched, events, [Request("a", [1, 2, 3], 5, ignore_eos=True)])
+    assert events.tokens("a") == [1, 2, 3, 1, 2]  # the emulated batch reads its prompt on
+    # the prefill's token before round 0; round k's after round k + 1 is launched; the last round's
+    # (nothing left to launch) right after it
+    assert batch.log == [("event", "a"), ("launch", 0), ("collect", 0),
+                         ("launch", 1), ("event", "a"), ("collect", 1),
+                         ("launch", 2), ("event", "a"), ("collect", 2),
+                         ("launch", 3), ("event", "a"), ("collect", 3), ("event", "a")]
+    assert sched.rounds == 4 and not batch.rows
+
+
+def test_a_request_that_finished_is_not_reported_as_cancelled_after_it() -> None:
+    """The cancel lands while the round that finishes the request runs: it finishes ("length")."""
+    batch = SplitBatch()
+    events = Events(["a", "b"])
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    batch.on_collect = lambda k: sched.cancel("a") if k == 1 else None  # a's last round is round 1
+    run(sched, events, [Request("a", [1, 2], 3, ignore_eos=True), Request("b", [4, 5], 6, ignore_eos=True)])
+    last = events.last("a")
+    assert isinstance(last, StepOutput) and last.finish_reason == "length" and events.tokens("a") == [1, 2, 1]
+    assert [ev.finish_reason for ev in events.got["a"]] == [None, None, "length"]
+    assert events.tokens("b") == [4, 5, 4, 5, 4, 5]
+    assert sched.metrics.requests.labels(outcome="length")._value.get() == 2  # type: ignore[attr-defined]
+    assert sched.metrics.requests.labels(outcome="abort")._value.get() == 0  # type: ignore[attr-defined]
+
+
+def test_a_cancel_gets_the_rounds_before_it_then_abort_and_leaves_the_batch() -> None:
+    batch = SplitBatch()
+    events = Events(["a", "b"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    batch.on_collect = lambda k: sched.cancel("a") if k == 1 else None
+    run(sched, events, [Request("a", [1, 2], 50, ignore_eos=True), Request("b", [4, 5], 5, ignore_eos=True)])
+    assert [len(ev.new_token_ids) for ev in events.got["a"]] == [1, 1, 1, 0]  # prefill, rounds 0 and 1, abort
+    assert events.last("a").finish_reason == "abort"  # type: ignore[union-attr]
+    # the batch drops the row before round 2 is launched; round 1's outputs go out before the abort
+    i = batch.log.index(("cancel", "a"))
+    assert batch.log[i - 1:i + 5] == [("collect", 1), ("cancel", "a"), ("launch", 2),
+                                      ("event", "a"), ("event", "b"), ("event", "a")]
+    assert events.tokens("b") == [4, 5, 4, 5, 4]
+
+
+def test_an_arrival_joins_after_the_rounds_before_it_are_handed_out() -> None:
+    batch = SplitBatch()
+    events = Events(["a", "late"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    batch.on_collect = lambda k: sched.submit(Request("late", [7, 8, 9], 2, ignore_eos=True),
+                                              events.sink("late")) if k == 0 else None
+    run(sched, events, [Request("a", [1, 2], 4, ignore_eos=True)])
+    assert events.tokens("late") == [7, 8] and events.tokens("a") == [1, 2, 1, 2]
+    i = batch.log.index(("event", "late"))  # its first token, from the prefill
+    assert batch.log[i - 2:i + 2] == [("collect", 0), ("event", "a"), ("event", "late"), ("launch", 1)]
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failed_round_fails_what_runs_after_handing_out_the_round_before(where: str) -> None:
+    batch = SplitBatch()
+    batch.fail_at = (where, 2)
+    events = Events(["a", "b"])
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    later = Events(["c"])
+    for r in (Request("a", [1, 2], 9, ignore_eos=True), Request("b", [3, 4], 9, ignore_eos=True)):
+        sched.submit(r, events.sink(r.request_id))
+    sched.start()
+    try:
+        assert events.done.wait(30)
+        for rid in "ab":
+            last = events.last(rid)
+            assert isinstance(last, Failure) and last.status_code == 500 and "blew up" in last.message
+            assert len(events.tokens(rid)) == 3  # the prefill's token, rounds 0 and 1
+        assert not batch.rows and not batch.launched
+        sched.submit(Request("c", [5, 6], 3, ignore_eos=True), later.sink("c"))  # it keeps serving
+        assert later.done.wait(30) and later.tokens("c") == [5, 6, 5]
+    finally:
+        sched.stop()
+
+
+def test_metrics_count_every_round_once() -> None:
+    batch = SplitBatch(tokens=2)
+    events = Events(["a", "b"])
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    run(sched, events, [Request("a", [1, 2], 7, ignore_eos=True), Request("b", [3], 4, ignore_eos=True)])
+    m = sched.metrics
+    assert m.rounds._value.get() == sched.rounds == 3  # type: ignore[attr-defined]
+    assert m.generation_tokens._value.get() == 7 + 4  # type: ignore[attr-defined]
+    # rounds of 2 tokens (accept length 2: one accepted draft each), the last ones cut by max_new_tokens
+    assert m.verify_steps._value.get() == 3 + 2  # type: ignore[attr-defined]
+    assert m.accepted_drafts._value.get() == 5  # type: ignore[attr-defined]
+    assert m.round_seconds._value.get() > 0  # type: ignore[attr-defined]
+
+
+def test_stop_aborts_what_runs_and_what_waits() -> None:
+    batch = SplitBatch(max_batch=1)
+    events = Events(["a", "b"])
+    sched = Scheduler(batch, max_running=1, switch_interval_s=None)
+    batch.on_collect = lambda k: threading.Thread(target=sched.stop).start() if k == 3 else None
+    run(sched, events, [Request("a", [1], 400, ignore_eos=True), Request("b", [2], 5, ignore_eos=True)])
+    assert events.last("a").finish_reason == "abort" and len(events.tokens("a")) >= 5  # type: ignore[union-attr]
+    assert events.tokens("b") == [] and events.last("b").finish_reason == "abort"  # type: ignore[union-attr]
+
+
+# -- the engine's own batch ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine()
+
+
+def test_decode_batch_launch_then_collect_is_step(engine: Engine) -> None:
+    spec = SpecConfig(budget=6, topk=3, block_size=6)
+    reqs = [Request(str(i), p, 12) for i, p in enumerate(prompts(3, seed=21))]
+    stepped, split = engine.open_batch(spec, max_batch=3, max_len=128), engine.open_batch(spec, max_batch=3, max_len=128)
+    assert [o.new_token_ids for o in stepped.add_many(reqs)] == [o.new_token_ids for o in split.add_many(reqs)]
+    while stepped.active:
+        split.launch()
+        with pytest.raises(RuntimeError, match="launched"):
+            split.cancel("0")
+        with pytest.raises(RuntimeError, match="launched"):
+            split.add(Request("x", [1, 2], 3))
+        with pytest.raises(RuntimeError, match="already launched"):
+            split.launch()
+        assert split.collect() == stepped.step()
+    assert split.active == 0
+    with pytest.raises(RuntimeError, match="no round launched"):
+        split.collect()
+    split.launch()  # an empty batch's round: nothing
+    assert split.collect() == []
+
+
+@pytest.mark.parametrize("config", ["b8-k4-w2048-bs8", "dflash-w2048-bs8", "bauto-k4-w2048-bs8", "ar"])
+def test_served_outputs_equal_ar_at_t0(engine: Engine, config: str) -> None:
+    """Through the scheduler (rounds launched and collected, stop tokens, lengths, a late arrival) the
+    committed tokens are AR's own."""
+    spec = SpecConfig.from_id(config)
+    texts = prompts(5, seed=31)
+    ref = engine.generate(texts, 16, spec=AR)
+    stop = ref[1].token_ids[5]  # request 1 stops at its sixth token
+    ref_stop = engine.generate([texts[1]], 16, spec=AR, stop_token_ids=[stop])[0]
+    reqs = [Request(str(i), p, 16 - i, stop_token_ids=(stop,) if i == 1 else ()) for i, p in enumerate(texts)]
+    batch = engine.open_batch(spec, max_batch=3, max_len=128)  # 5 requests, 3 slots: two wait for a slot
+    events = Events([r.request_id for r in reqs])
+    run(Scheduler(batch, max_running=3, switch_interval_s=None), events, reqs, timeout=120)
+    for i, r in enumerate(ref):
+        want = ref_stop.token_ids if i == 1 else r.token_ids[:16 - i]
+        assert events.tokens(str(i)) == want, i
+        assert events.last(str(i)).finish_reason == ("stop" if i == 1 else "length")  # type: ignore[union-attr]
