@@ -379,6 +379,20 @@ def test_rollouts_are_the_targets_greedy_continuations(data_dir: Path, target_di
     assert torch.equal(logits[0, p - 1 : -1].argmax(-1), seq[0, p:])
 
 
+def test_greedy_continue_prefills_in_chunks_and_row_groups_exactly(target_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import ddtree.train.rollouts as rollouts_mod
+    from ddtree.models import load_target
+
+    target = load_target(target_dir)
+    ids = torch.randint(2, target.config.vocab_size, (5, 50), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(rollouts_mod, "PREFILL_ELEMENTS", 2 * 16 * (50 + 6))  # 2 rows a prefill forward
+    out = rollouts_mod.greedy_continue(target, ids, 6, chunk=16)  # 4 chunks, the last one short
+    with torch.no_grad():
+        logits, _ = target.forward_train(torch.cat([ids, out], 1))
+    assert out.shape == (5, 6) and torch.equal(logits[:, 49:-1].argmax(-1), out)
+
+
 def test_rollouts_time_budget_saves_what_exists(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
     spec = RolloutSpec(num=10_000, prompt_len_min=4, prompt_len_max=8, gen_len=4, batch_size=2, time_budget_s=0.5)
     summary = make_rollouts(data_dir, target_dir, tmp_path, spec)
