@@ -65,6 +65,8 @@ def _add_drafter_shape(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, default=2048)
     g.add_argument("--num-anchors", type=int, default=64)
     g.add_argument("--gamma", type=float, default=4.0)
+    g.add_argument("--soft-weight", type=float, default=0.0,
+                   help="share of the loss that is KL to the target's distribution (0: hard labels only)")
     g.add_argument("--target-layer-ids", default=None, help="comma-separated tap layers (default: z-lab's spread)")
     g.add_argument("--init", choices=("random", "target"), default="random")
     g.add_argument("--init-from", default=None, help="start from this drafter folder (fine-tuning)")
@@ -189,7 +191,7 @@ def _drafter_shape(args: argparse.Namespace) -> object:
             raise ConfigError(f"--target-layer-ids: {args.target_layer_ids!r} is not a comma-separated list of ints") from err
     return DrafterShape(
         num_hidden_layers=args.draft_layers, block_size=args.block_size, window=args.window,
-        num_anchors=args.num_anchors, gamma=args.gamma, target_layer_ids=ids, init=args.init,
+        num_anchors=args.num_anchors, gamma=args.gamma, soft_weight=args.soft_weight, target_layer_ids=ids, init=args.init,
         init_from=args.init_from,
     )
 

@@ -51,6 +51,7 @@ class DrafterShape:
     window: int = 2048  # training context window; declared as the drafter's sliding_window
     num_anchors: int = 64  # per sequence
     gamma: float = 4.0  # loss decay over block positions (ModelOpt's default for block 8)
+    soft_weight: float = 0.0  # share of the loss that is KL to the target's whole distribution (0: hard labels only)
     intermediate_size: int | None = None  # None: the target's
     target_layer_ids: tuple[int, ...] | None = None  # None: z-lab's spread over the target's layers
     init: str = "random"  # "random" | "target" (copy the target's last layers)
@@ -67,6 +68,8 @@ class DrafterShape:
             raise ConfigError(f"num_anchors: {self.num_anchors} must be >= 1")
         if not self.gamma > 0:
             raise ConfigError(f"gamma: {self.gamma} must be > 0")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ConfigError(f"soft_weight: {self.soft_weight} is outside [0, 1]")
         if self.init not in ("random", "target"):
             raise ConfigError(f"init: {self.init!r}; allowed: random, target")
 
@@ -140,6 +143,20 @@ def draft_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return (ce * weights).sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
 
 
+def soft_loss(logits: torch.Tensor, target_logits: torch.Tensor, anchors: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted KL(target || drafter) at block positions k = 1..L: logits[bs, A, L, V], target_logits[bs, T, V].
+
+    The target's distribution at position anchor + k - 1 (what it would put at anchor + k): the tree
+    drafts the drafter's top-k per position, so the order of the runners-up matters, not only the argmax.
+    """
+    bs, n_anchor, n_pos, vocab = logits.shape
+    idx = (anchors[:, :, None] + torch.arange(n_pos, device=anchors.device)).reshape(bs, -1)
+    t = torch.gather(target_logits, 1, idx[:, :, None].expand(-1, -1, vocab)).view(bs, n_anchor, n_pos, vocab)
+    kl = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(t.float(), -1), log_target=True,
+                  reduction="none").sum(-1)  # [bs, A, L]
+    return (kl * weights).sum() / (weights.sum() * bs * n_anchor)
+
+
 def target_labels(target_logits: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """labels[bs, A, block-1]: the target's argmax at position anchor + k - 1 for k = 1..block-1.
 
@@ -193,7 +210,10 @@ def drafter_step(
             keep = b.own_labels.to(ids.device)[:, None, None]
             by_target = torch.where(keep, labels, by_target)
         labels = by_target
-    return draft_loss(logits, labels, weights), logits, labels
+    loss = draft_loss(logits, labels, weights)
+    if shape.soft_weight > 0:
+        loss = (1 - shape.soft_weight) * loss + shape.soft_weight * soft_loss(logits, t_logits, anchors, weights)
+    return loss, logits, labels
 
 
 @torch.no_grad()
@@ -446,6 +466,9 @@ def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
         origin = f"fine-tuned from the drafter in `{sh['init_from']}`"
     gamma_note = f"exp(-(k-1)/{sh['gamma']:g})"
     label_note = label_description(s.get("label", "data"))
+    if sh.get("soft_weight"):
+        label_note += (f" ({1 - sh['soft_weight']:g} of the loss; the other {sh['soft_weight']:g} is KL from the target's "
+                       "whole distribution at the same positions)")
     return f"""# ddtree fixture DFlash drafter
 
 A block-diffusion DFlash drafter (z-lab `DFlashDraftModel` layout) for the ddtree fixture target

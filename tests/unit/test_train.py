@@ -316,6 +316,34 @@ def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir
     assert "layers [1, 2] added" in (tmp_path / "b" / "README.md").read_text()
 
 
+def test_soft_loss_is_the_kl_to_the_targets_distribution_at_each_block_position() -> None:
+    from ddtree.train.drafter import soft_loss
+
+    gen = torch.Generator().manual_seed(0)
+    t_logits = torch.randn(2, 20, 11, generator=gen)
+    anchors = torch.tensor([[2, 9], [0, 12]])
+    idx = anchors[:, :, None] + torch.arange(3)  # positions anchor + k - 1, k = 1..3
+    same = torch.stack([t_logits[b, idx[b]] for b in range(2)])  # [2, 2, 3, 11]
+    w = position_weights(4, 4.0, torch.device("cpu"))
+    assert float(soft_loss(same, t_logits, anchors, w)) == pytest.approx(0.0, abs=1e-6)
+    off = same.clone()
+    off[1, 0, 2] = torch.randn(11, generator=gen)
+    p, q = torch.log_softmax(same[1, 0, 2], -1), torch.log_softmax(off[1, 0, 2], -1)
+    want = float((p.exp() * (p - q)).sum() * w[2] / (w.sum() * 4))
+    assert float(soft_loss(off, t_logits, anchors, w)) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ConfigError, match="soft_weight"):
+        DrafterShape(soft_weight=1.5)
+
+
+def test_drafter_trains_with_a_soft_share_and_says_so(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    summary = train_drafter(data_dir, target_dir, tmp_path / "s", tiny_opts(steps=2, eval_batches=0),
+                            replace(TINY_DRAFTER, soft_weight=0.5))
+    assert summary["shape"]["soft_weight"] == 0.5 and all(np.isfinite(summary["losses"]))
+    assert "the other 0.5 is KL from the target's whole distribution" in (tmp_path / "s" / "README.md").read_text()
+
+
 def test_time_budget_stops_early_and_still_saves(data_dir: Path, tmp_path: Path) -> None:
     opts = tiny_opts(steps=1_000_000, time_budget_s=1.0, eval_batches=1)
     summary = train_target(data_dir, tmp_path / "t", opts, TINY_TARGET)
