@@ -250,3 +250,19 @@ def test_served_outputs_equal_ar_at_t0(engine: Engine, config: str) -> None:
         want = ref_stop.token_ids if i == 1 else r.token_ids[:16 - i]
         assert events.tokens(str(i)) == want, i
         assert events.last(str(i)).finish_reason == ("stop" if i == 1 else "length")  # type: ignore[union-attr]
+
+
+def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> None:
+    """ddtree.bench.round_overhead: in process, served (overlapped) and served one round at a time give
+    every request the same tokens, and each mode's rounds are timed."""
+    from ddtree.bench import round_overhead as ro
+
+    batch = ro.ZeroBatch(3)
+    assert not hasattr(ro.StepOnly(batch), "launch") and ro.StepOnly(batch).active == 0
+    requests = [Request(f"r{i}", [1], 20 + i, ignore_eos=True) for i in range(3)]
+    assert ro.served(batch, requests, on_gpu=False) == ro.in_process(batch, requests) == {
+        f"r{i}": [t % 101 for t in range(1, 21 + i)] for i in range(3)}
+    row = ro.run_config(batch, None, requests, repeats=1, on_gpu=False)
+    assert row["mismatched"] == dict.fromkeys(ro.MODES, 0)
+    for mode in ro.MODES:
+        assert row[mode]["rounds"] == 21 and row[mode]["period_us"] > 0 and row[mode]["round_us"] > 0

@@ -1,0 +1,282 @@
+r"""What the server's round loop adds to a decode round: `python -m ddtree.bench.round_overhead`.
+
+    python -m ddtree.bench.round_overhead --device cuda --configs ar b8-k4-w2048-bs8 bauto-k4-w2048-bs8
+    python -m ddtree.bench.round_overhead --engine zero      # a batch whose rounds cost nothing: the loop alone
+
+The same requests (greedy, ignore_eos, all joining at once) run on one batch three ways, in turns:
+"in process" is a closed loop over DecodeBatch.step() (ddtree.bench.http_vs_engine's in-process mode);
+"served" is the engine process's Scheduler with its Relay writing every event into a pipe that a child
+process drains (no HTTP, no text): round N's outputs are handed out while round N + 1 runs on the device;
+"served, no overlap" is the same with the batch seen as step() only (each round's outputs handed out
+before the next is launched). Per mode: the mean period between two round launches (what a token costs
+a request), the mean round (launch to outputs: step()'s time, the quantity the server's
+ddtree_decode_round_seconds sums), and the period's excess over in process. Medians of `--repeats`.
+Outputs must be the same in every mode (exit status 1 otherwise).
+
+`--engine zero`: a batch of no device and no model (each round makes one token per row and nothing else),
+so a period is the loop's own Python: the scheduler's per-round cost at `--rows` rows on this CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine import Request, StepOutput
+from ddtree.errors import ConfigError
+from ddtree.serving.engine_process import Relay
+from ddtree.serving.scheduler import SWITCH_INTERVAL_S, Scheduler
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
+MODES = ("in process", "served", "served, no overlap")
+
+
+class ZeroBatch:
+    """The DecodeBatch protocol at no cost: one token per row per round, nothing else."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.rows: dict[str, list[Any]] = {}  # id -> [request, tokens so far]
+        self._launched = False
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def add(self, request: Request) -> list[StepOutput]:
+        return self.add_many([request])
+
+    def add_many(self, requests: list[Request]) -> list[StepOutput]:
+        for r in requests:
+            self.rows[r.request_id] = [r, 0]
+        return self._emit(list(self.rows.values())[-len(requests):], verify=False)
+
+    def launch(self) -> None:
+        self._launched = True
+
+    def collect(self) -> list[StepOutput]:
+        self._launched = False
+        return self._emit(list(self.rows.values()), verify=True)
+
+    def step(self) -> list[StepOutput]:
+        self.launch()
+        return self.collect()
+
+    def cancel(self, request_id: str) -> bool:
+        return self.rows.pop(request_id, None) is not None
+
+    def _emit(self, rows: list[list[Any]], verify: bool) -> list[StepOutput]:
+        outputs = []
+        for row in rows:
+            request, row[1] = row[0], row[1] + 1
+            done = row[1] >= request.max_new_tokens
+            outputs.append(StepOutput(request.request_id, [row[1] % 101], done, "length" if done else None,
+                                      row[1] - 1, [1] if verify else []))
+            if done:
+                del self.rows[request.request_id]
+        return outputs
+
+
+class StepOnly:
+    """A batch seen through step() alone (no launch/collect): the scheduler then hands a round out before
+    launching the next."""
+
+    def __init__(self, batch: Any) -> None:
+        self._batch = batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("launch", "collect"):
+            raise AttributeError(name)
+        return getattr(self._batch, name)
+
+
+class RoundClock:
+    """Timestamps of each round's launch and of its outputs, taken on the batch itself (step() launches
+    through the same attribute, so every mode is timed alike)."""
+
+    def __init__(self, batch: Any) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        launch, collect = batch.launch, batch.collect
+
+        def timed_launch() -> None:
+            self.starts.append(time.perf_counter())
+            launch()
+
+        def timed_collect() -> list[StepOutput]:
+            out = collect()
+            self.ends.append(time.perf_counter())
+            return out
+
+        batch.launch, batch.collect = timed_launch, timed_collect
+
+    def reset(self) -> None:
+        self.starts.clear()
+        self.ends.clear()
+
+    def summary(self, skip: int = 2) -> dict[str, float]:
+        """Mean period between launches and mean round (launch to outputs), in us, past the first `skip`."""
+        starts, ends = self.starts[skip:], self.ends[skip:]
+        periods = [b - a for a, b in zip(starts, starts[1:])]
+        rounds = [e - s for s, e in zip(starts, ends)]
+        return {"period_us": 1e6 * statistics.fmean(periods), "round_us": 1e6 * statistics.fmean(rounds),
+                "rounds": len(self.starts)}
+
+
+def _sync(device: Any) -> None:
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def in_process(batch: Any, requests: list[Request]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    outputs = batch.add_many(requests)
+    while True:
+        for o in outputs:
+            out[o.request_id].extend(o.new_token_ids)
+        if not batch.active:
+            return out
+        outputs = batch.step()
+
+
+def served(batch: Any, requests: list[Request], on_gpu: bool) -> dict[str, list[int]]:
+    """Through a Scheduler whose Relay writes into a pipe drained by a child process; the tokens each
+    request got, read back from the relay's frames (what the HTTP process would decode)."""
+    from ddtree.serving.engine_process import FrameReader
+
+    with tempfile.TemporaryFile() as sent:
+        drain = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=sent)  # read back after the run
+        assert drain.stdin is not None
+        relay = Relay(drain.stdin.fileno())
+        sched = Scheduler(batch, len(requests), relay.metrics, deliver=relay.deliver,
+                          switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None)
+        relay.scheduler = sched
+        for r in requests:  # queued before the thread starts: one admission, as in process
+            relay.submitted(r.request_id, True)
+            sched.submit(r, lambda _: None)
+        sched.start()
+        while sched.in_flight:
+            time.sleep(0.002)
+        sched.stop()
+        relay.flush()
+        drain.stdin.close()
+        drain.wait(30)
+        sent.seek(0)
+        frames = FrameReader().feed(sent.read())
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for message in frames:
+        for item in message[1]:
+            if len(item) > 4:
+                out[item[0]].extend(item[1])
+    return out
+
+
+def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool) -> dict[str, Any]:
+    """Every mode `repeats` times in turns; per mode the medians of RoundClock.summary, the excess over in
+    process, and how many requests' tokens differed from the first run's."""
+    clock = RoundClock(batch)
+    in_process(batch, requests)  # untimed: graphs captured, caches warm
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    reference, mismatched = None, {m: 0 for m in MODES}
+    for _ in range(repeats):
+        for mode in MODES:  # in turns: a drifting machine moves every mode alike
+            _sync(device)
+            clock.reset()
+            if mode == "in process":
+                tokens = in_process(batch, requests)
+            else:
+                tokens = served(batch if mode == "served" else StepOnly(batch), requests, on_gpu)
+            _sync(device)
+            results[mode].append(clock.summary())
+            reference = tokens if reference is None else reference
+            mismatched[mode] += sum(1 for rid in tokens if tokens[rid] != reference[rid])
+    row: dict[str, Any] = {}
+    for mode, reps in results.items():
+        row[mode] = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    base = row["in process"]["period_us"]
+    for mode in MODES[1:]:
+        row[mode]["excess_us"] = row[mode]["period_us"] - base
+    row["mismatched"] = mismatched
+    return row
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.round_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("model", "zero"), default="model")
+    p.add_argument("--target", type=Path, default=FIXTURES / "target")
+    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
+    p.add_argument("--configs", nargs="+", default=["ar", "b8-k4-w2048-bs8", "bauto-k4-w2048-bs8"], metavar="ID")
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 32], help="requests running together")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens (model)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    bad = [f"{flag}: {v}" for flag, vals in (("--rows", args.rows), ("--repeats", [args.repeats]),
+                                              ("--context", [args.context]),
+                                              ("--max-new-tokens", [args.max_new_tokens])) for v in vals if v < 1]
+    if bad:
+        print(f"python -m ddtree.bench.round_overhead: error: {', '.join(bad)} out of range (allowed >= 1)",
+              file=sys.stderr)
+        return 2
+    engine = device = codec = None
+    if args.engine == "model":
+        import torch
+
+        from ddtree.engine import Engine
+        from ddtree.text import load_tokenizer
+
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
+        device, codec = engine.device, load_tokenizer(args.target)
+    on_gpu = getattr(device, "type", None) == "cuda"
+    print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
+    failed = []
+    for config_id in (args.configs if engine is not None else ["zero"]):
+        for rows in args.rows:
+            if engine is None:
+                batch: Any = ZeroBatch(rows)
+                prompts = [[1]] * rows
+            else:
+                from ddtree.bench.prompts import code_prompts
+                from ddtree.config import SpecConfig
+
+                try:
+                    spec = SpecConfig.from_id(config_id)
+                except ConfigError as err:
+                    print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
+                    return 2
+                batch = engine.open_batch(spec, rows, args.context + args.max_new_tokens + spec.max_nodes)
+                prompts = code_prompts(codec, args.context, rows)
+            requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+            row = run_config(batch, device, requests, args.repeats, on_gpu)
+            for mode in MODES:
+                m = row[mode]
+                excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
+                print(f"{config_id:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
+                      f"{m['rounds']:6.0f}", flush=True)
+            if any(row["mismatched"].values()):
+                failed.append(f"{config_id} rows {rows}")
+    if failed:
+        print(f"outputs differ between the modes: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
