@@ -1,13 +1,17 @@
 """The batching thread: it alone owns the DecodeBatch; requests join between rounds and leave when done.
 
 Continuous batching in one loop: admit waiting requests (FIFO) into free slots, apply
-cancellations, run one `step()` for everything running, then hand what that iteration produced
+cancellations, run one round for everything running, then hand what that iteration produced
 (every request's StepOutput or Failure) to `deliver` in ONE call: the server turns it into one
 `loop.call_soon_threadsafe` per round, not one per request (each is a wake-up of the event loop
-and a write to its self-pipe, under the GIL the round needs too). Without `deliver`, each event
-goes to its request's sink on this thread. Nothing here knows about HTTP or text.
+and a write to its self-pipe, under the GIL the round needs too), or the engine process's Relay
+into a pipe. Without `deliver`, each event goes to its request's sink on this thread. Nothing here
+knows about HTTP or text.
 
-Two things keep a served round as fast as the engine's own:
+Three things keep a served round as fast as the engine's own:
+- a batch that splits its round (DecodeBatch.launch / collect) gets round N + 1 launched before round
+  N's outputs are handed out (metrics, events, the relay's pickle and write: ~1-2 us a row of Python),
+  so that work runs while the device does, not between two rounds (_run says when it cannot);
 - on a CUDA device the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
   device with the GIL released and needs it back the moment the device is done; with CPython's
   default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
@@ -55,7 +59,8 @@ class DecodeBatchLike(Protocol):
 
     # Optional (the scheduler looks them up): add_many(requests) -> list[StepOutput] prefills several
     # at once; validate(request) raises the RequestError add would, without a forward; graphs (not None:
-    # rounds are CUDA graphs, captured when first met) and max_len, for the warm-up.
+    # rounds are CUDA graphs, captured when first met) and max_len, for the warm-up; launch() and collect()
+    # (step() in two: the loop hands the last round out in between).
 
     def step(self) -> list[StepOutput]: ...
 
