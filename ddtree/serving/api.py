@@ -148,7 +148,6 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
         texts = [codec.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in lists]  # type: ignore[arg-type]
         return {"text": texts if batched else texts[0]}
 
-    @app.post("/generate")
     async def generate(request: Request) -> Response:
         jobs, as_list = parse_generate(await read_body(request), state.limits)
         pairs = submit_all(state, jobs)
@@ -172,5 +171,9 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
             return sse_response(state, pairs, chunks())
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
         return FastJSONResponse(payloads if as_list else payloads[0])
+
+    # A plain Starlette route, not FastAPI's: the endpoint reads its own body, and FastAPI's parameter
+    # solving cost ~50-70 us a request on a 2-core machine (a wave of 32 arrivals is parsed one by one).
+    app.add_route("/generate", generate, methods=["POST"])
 
     install_openai_routes(app, state, read_body)

@@ -550,6 +550,20 @@ def test_bad_generate_input_is_a_4xx_naming_the_field(payload: Any, field: str) 
     run(app, body)
 
 
+def test_generate_answers_only_post_in_the_error_shape() -> None:
+    """/generate is a plain route (no FastAPI parameters): a GET is still a 405 in the server's error shape."""
+    app, _ = make_app()
+
+    async def body(c: httpx.AsyncClient) -> None:
+        r = await c.get("/generate")
+        assert r.status_code == 405, r.text
+        assert r.json()["error"]["code"] == 405
+        ok = await c.post("/generate", json=gen([1, 2], max_new_tokens=3, ignore_eos=True))
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+    run(app, body)
+
+
 def test_prompt_past_context_names_both_numbers() -> None:
     app, _ = make_app()
 
