@@ -28,6 +28,7 @@ import json
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -412,7 +413,8 @@ def _load_engine(args: argparse.Namespace) -> Any:
     return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
 
 
-def run(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
+    """Every cell's row; on_row(rows so far) after each (main writes --out there, so a run cut short keeps them)."""
     from ddtree.bench.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.service.readiness import wait_ready
@@ -425,7 +427,9 @@ def run(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
     codec = load_tokenizer(args.target)
     n_max = max(args.requests or max(c, 8) for c in args.concurrency)
     prompts = {ctx: code_prompts(codec, ctx, n_max + args.warmup) for ctx in args.contexts}
-    log_dir = Path(args.out).parent if args.out else Path.cwd()
+    # the servers' logs (local-PORT.log): beside --out, else in a folder of their own (never the cwd)
+    log_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-"))
+    log(f"server logs: {log_dir}", flush=True)
     rows = []
     for spec in specs:
         backend = _backend(args, log_dir)
@@ -437,6 +441,8 @@ def run(args: argparse.Namespace, log: Any = print) -> list[dict[str, Any]]:
             for ctx in args.contexts:
                 for conc in args.concurrency:
                     rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, log))
+                    if on_row is not None:
+                        on_row(rows)
                     log(format_rows(rows[-1:]).split("\n", 1)[1], flush=True)
             del batch
         finally:
@@ -494,13 +500,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ddtree.bench.http_vs_engine: error: {err}", file=sys.stderr)
         return 2
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    rows = run(args)
+    meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
+            "engine": args.engine, "device": args.device, "client_processes": args.client_processes}
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+    rows = run(args, on_row=write)
     print(format_rows(rows))
-    if args.out:
-        meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
-                "engine": args.engine, "device": args.device, "client_processes": args.client_processes}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write(rows)
     bad = [f"{r['config']} ctx{r['context']} c{r['concurrency']}" for r in rows if any(r["mismatched"].values())]
     if bad:
         print(f"outputs differ between the engine and HTTP at T=0: {', '.join(bad)}", file=sys.stderr)

@@ -205,3 +205,24 @@ def test_emulated_run_through_the_server(tmp_path: Path) -> None:
         for mode in ("engine", "stream", "plain"):
             assert row[mode]["failed"] == 0 and row[mode]["tok_per_s"] > 0
         assert row["stream"]["ttft_ms"] is not None and row["stream"]["ratio"] > 0
+
+
+def test_rows_are_handed_over_cell_by_cell_and_logs_stay_out_of_the_cwd(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_row sees the rows after every cell (main writes --out there: a run cut short keeps what it measured);
+    without --out the servers' logs go to a folder of their own, not the working directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    args = hve.build_parser().parse_args(
+        ["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "2",
+         "--requests", "2", "--repeats", "1", "--warmup", "0", "--max-new-tokens", "4",
+         "--max-running-requests", "2", "--round-ms", "0.5", "--modes", "stream", "--device", "cpu"])
+    seen: list[list[tuple[int, int]]] = []
+    lines: list[str] = []
+    rows = hve.run(args, log=lambda text, **_: lines.append(text),
+                   on_row=lambda rows: seen.append([(r["context"], r["concurrency"]) for r in rows]))
+    assert seen == [[(60, 1)], [(60, 1), (60, 2)]] and len(rows) == 2
+    log_dir = Path(next(line for line in lines if line.startswith("server logs: ")).split(": ", 1)[1])
+    assert log_dir != cwd and list(log_dir.glob("local-*.log")), list(log_dir.iterdir())
+    assert list(cwd.iterdir()) == []
