@@ -185,10 +185,11 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         if self._launched is not None:
             raise RuntimeError("a round is already launched: collect it first")
         if not self.rows:
-            self._launched = _no_round()
+            launched = _no_round()
         else:
-            self._launched = self._speculative_round() if self.spec.speculative else self._ar_round()
-        next(self._launched)  # runs up to the round's host read of its tokens
+            launched = self._speculative_round() if self.spec.speculative else self._ar_round()
+        next(launched)  # runs up to the round's host read of its tokens (a round that raises is not launched)
+        self._launched = launched
 
     @torch.inference_mode()
     def collect(self) -> list[StepOutput]:

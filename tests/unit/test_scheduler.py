@@ -233,6 +233,32 @@ def test_decode_batch_launch_then_collect_is_step(engine: Engine) -> None:
     assert split.collect() == []
 
 
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_decode_batch_round_that_raises_leaves_the_batch_usable(engine: Engine, where: str) -> None:
+    """A round that raises (in launch or in collect) leaves nothing launched: cancel and add work again."""
+    spec = SpecConfig(budget=6, topk=3, block_size=6)
+    batch = engine.open_batch(spec, max_batch=2, max_len=128)
+    batch.add_many([Request("a", prompts(1, seed=3)[0], 8), Request("b", prompts(1, seed=4)[0], 8)])
+    if where == "launch":
+        batch._run_stages = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="device lost"):
+            batch.launch()
+        del batch._run_stages
+    else:
+        batch.launch()
+        batch._clear_padding = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="device lost"):
+            batch.collect()
+        del batch._clear_padding
+    # not wedged: what ran is cancelled (the scheduler aborts every running request), a new one runs
+    assert batch.cancel("a") and batch.cancel("b") and batch.active == 0
+    out = batch.add(Request("c", [5, 6, 7], 6))[0].new_token_ids
+    while batch.active:
+        batch.launch()
+        out += [t for o in batch.collect() for t in o.new_token_ids]
+    assert out == engine.generate([[5, 6, 7]], 6, spec=AR)[0].token_ids
+
+
 @pytest.mark.parametrize("config", ["b8-k4-w2048-bs8", "dflash-w2048-bs8", "bauto-k4-w2048-bs8", "ar"])
 def test_served_outputs_equal_ar_at_t0(engine: Engine, config: str) -> None:
     """Through the scheduler (rounds launched and collected, stop tokens, lengths, a late arrival) the
