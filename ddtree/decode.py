@@ -170,10 +170,11 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
                 outputs[out.request_id] = out
         return self._retire_finished([outputs[r.request_id] for r in requests])
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One round for every running request."""
-        self.launch()
-        return self.collect()
+        self._launch()
+        return self._collect()
 
     @torch.inference_mode()
     def launch(self) -> None:
@@ -182,6 +183,15 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         The round's device work is enqueued and nothing waits for it (except the rounds of budget auto that
         read b* before verifying), so between the two the caller may do host work of its own while the
         device runs: the server hands out the previous round's tokens there. Outputs are step()'s."""
+        self._launch()
+
+    @torch.inference_mode()
+    def collect(self) -> list[StepOutput]:
+        """Wait for the launched round; its outputs (finished requests leave the batch)."""
+        return self._collect()
+
+    # step() enters inference mode once (~1-3 us a call), launch() and collect() once each
+    def _launch(self) -> None:
         if self._launched is not None:
             raise RuntimeError("a round is already launched: collect it first")
         if not self.rows:
@@ -191,9 +201,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         next(launched)  # runs up to the round's host read of its tokens (a round that raises is not launched)
         self._launched = launched
 
-    @torch.inference_mode()
-    def collect(self) -> list[StepOutput]:
-        """Wait for the launched round; its outputs (finished requests leave the batch)."""
+    def _collect(self) -> list[StepOutput]:
         launched, self._launched = self._launched, None
         if launched is None:
             raise RuntimeError("no round launched")

@@ -68,8 +68,8 @@ class ZeroBatch:
         return self._emit(list(self.rows.values()), verify=True)
 
     def step(self) -> list[StepOutput]:
-        self.launch()
-        return self.collect()
+        self._launched = False
+        return self._emit(list(self.rows.values()), verify=True)
 
     def cancel(self, request_id: str) -> bool:
         return self.rows.pop(request_id, None) is not None
@@ -100,13 +100,19 @@ class StepOnly:
 
 
 class RoundClock:
-    """Timestamps of each round's launch and of its outputs, taken on the batch itself (step() launches
-    through the same attribute, so every mode is timed alike)."""
+    """Timestamps of each round's start (step() or launch()) and of its outputs (step() or collect()
+    returning), taken on the batch itself, so every mode is timed alike."""
 
     def __init__(self, batch: Any) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
-        launch, collect = batch.launch, batch.collect
+        step, launch, collect = batch.step, batch.launch, batch.collect
+
+        def timed_step() -> list[StepOutput]:
+            self.starts.append(time.perf_counter())
+            out = step()
+            self.ends.append(time.perf_counter())
+            return out
 
         def timed_launch() -> None:
             self.starts.append(time.perf_counter())
@@ -117,7 +123,7 @@ class RoundClock:
             self.ends.append(time.perf_counter())
             return out
 
-        batch.launch, batch.collect = timed_launch, timed_collect
+        batch.step, batch.launch, batch.collect = timed_step, timed_launch, timed_collect
 
     def reset(self) -> None:
         self.starts.clear()
