@@ -155,7 +155,7 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
             updates = await follow_all(state, pairs)
             position = {id(reply): i for i, (_, reply) in enumerate(pairs)}
 
-            async def chunks() -> AsyncIterator[str]:
+            async def chunks() -> AsyncIterator[bytes]:
                 ended: set[int] = set()  # an interleaved stream may hand a finished reply over again
                 async for r in updates:
                     i = position[id(r)]

@@ -324,7 +324,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
         updates = await follow_all(state, pairs)
         replies = [reply for _, reply in pairs]
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[bytes]:
             chunk_kind = kind if kind == "text_completion" else "chat.completion.chunk"
             head = dict(base, object=chunk_kind)
             sent = dict.fromkeys(range(len(replies)), 0)  # text sent so far, per choice

@@ -23,7 +23,7 @@ from ddtree.serving.stops import find_stop, held_back, tokens_for
 from ddtree.serving.validation import Job
 from ddtree.text import IncrementalDecoder
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class FastJSONResponse(JSONResponse):
@@ -37,12 +37,13 @@ def error_response(status: int, message: str, field: str | None = None) -> JSONR
     return JSONResponse({"error": {"message": message, "field": field, "code": status}}, status_code=status)
 
 
-def error_chunk(err: RequestError) -> str:
+def error_chunk(err: RequestError) -> bytes:
     return sse({"error": {"message": str(err), "field": err.field, "code": err.status_code}})
 
 
-def sse(data: Any) -> str:
-    return f"data: {orjson.dumps(data).decode()}\n\n"
+def sse(data: Any) -> bytes:
+    """One SSE event, as the bytes that go out (a str would be decoded from orjson's bytes and encoded again)."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 class EventStream(StreamingResponse):
@@ -53,7 +54,7 @@ class EventStream(StreamingResponse):
     engine's); here one plain asyncio task listens and cancels the stream when the client goes.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._on_close = on_close
 
@@ -84,11 +85,11 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
-def sse_response(state: ServerState, pairs: list[tuple[RequestStream, Reply]], chunks: AsyncIterator[str]) -> EventStream:
+def sse_response(state: ServerState, pairs: list[tuple[RequestStream, Reply]], chunks: AsyncIterator[bytes]) -> EventStream:
     """An SSE response of `chunks`: a RequestError met on the way becomes an error chunk, `[DONE]` always ends
     it, and every request of `pairs` is cancelled however the response ends (client gone included)."""
 
-    async def guarded() -> AsyncIterator[str]:
+    async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield chunk
