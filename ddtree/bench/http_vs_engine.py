@@ -52,15 +52,17 @@ MODES = ("engine", "stream", "plain")  # in process, streaming client, non-strea
 
 
 class EmulatedBatch:
-    """The DecodeBatch protocol with a fixed round time: `round_s` waiting with the GIL released (what a
-    graphed round's one host sync does), then each row's Python bookkeeping. Tokens are a pure function
-    of (prompt, position): row i's output is its prompt read on from position len(prompt)."""
+    """The DecodeBatch protocol with a fixed round time: `round_s` from launch() waiting with the GIL released
+    (what a graphed round's one host sync does; host work between launch and collect overlaps it, as it does
+    the device's), then each row's Python bookkeeping. Tokens are a pure function of (prompt, position): row
+    i's output is its prompt read on from position len(prompt)."""
 
     def __init__(self, spec: SpecConfig, max_batch: int, max_len: int, round_s: float, prefill_s: float,
                  tokens_per_round: int) -> None:
         self.spec, self.max_batch, self.max_len = spec, max_batch, max_len
         self.round_s, self.prefill_s, self.tokens_per_round = round_s, prefill_s, tokens_per_round
         self.rows: dict[str, list[Any]] = {}  # id -> [request, output, verify steps]
+        self._launched_at: float | None = None  # when the round in flight was launched
 
     @property
     def active(self) -> int:
@@ -93,9 +95,22 @@ class EmulatedBatch:
         return self._retire(outputs)
 
     def step(self) -> list[StepOutput]:
+        self.launch()
+        return self.collect()
+
+    def launch(self) -> None:
+        """DecodeBatch.launch: the round starts "on the device" now; collect() waits for what is left of it."""
+        if self._launched_at is not None:
+            raise RuntimeError("a round is already launched: collect it first")
+        self._launched_at = time.perf_counter()
+
+    def collect(self) -> list[StepOutput]:
+        launched, self._launched_at = self._launched_at, None
+        if launched is None:
+            raise RuntimeError("no round launched")
         if not self.rows:
             return []
-        time.sleep(self.round_s)
+        time.sleep(max(launched + self.round_s - time.perf_counter(), 0.0))
         outputs = []
         for row in self.rows.values():
             row[2] += 1

@@ -226,3 +226,24 @@ def test_rows_are_handed_over_cell_by_cell_and_logs_stay_out_of_the_cwd(tmp_path
     log_dir = Path(next(line for line in lines if line.startswith("server logs: ")).split(": ", 1)[1])
     assert log_dir != cwd and list(log_dir.glob("local-*.log")), list(log_dir.iterdir())
     assert list(cwd.iterdir()) == []
+
+
+def test_emulated_round_overlaps_host_work_between_launch_and_collect() -> None:
+    """What a caller does between launch() and collect() hides in the round's wait, as on a device."""
+    import time
+
+    batch = hve.EmulatedBatch(AR, 2, 512, round_s=0.2, prefill_s=0.0, tokens_per_round=1)
+    batch.add(Request("a", [1, 2, 3], 4, ignore_eos=True))
+    batch.launch()
+    with pytest.raises(RuntimeError, match="already launched"):
+        batch.launch()
+    time.sleep(0.25)  # "host work" longer than the round
+    started = time.perf_counter()
+    outputs = batch.collect()
+    assert time.perf_counter() - started < 0.1  # nothing left to wait for
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [2])]
+    with pytest.raises(RuntimeError, match="no round launched"):
+        batch.collect()
+    started = time.perf_counter()
+    assert [o.new_token_ids for o in batch.step()] == [[3]]  # step() = launch() + collect(): the whole wait
+    assert time.perf_counter() - started >= 0.2
