@@ -329,9 +329,8 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             row.committed += k
             row.verify_steps += 1
             wanted = logprobs is not None and row.request.return_logprob
-            out = emit(row, new_tokens, accept=k, logprobs=logprobs[slot][:k] if wanted else None)
-            out.budgets = [budget]
-            outputs.append(out)
+            outputs.append(emit(row, new_tokens, accept=k, logprobs=logprobs[slot][:k] if wanted else None,
+                                budgets=[budget]))
         return outputs
 
     def _round_stages(self, m: int, budget: int, sampled: Mode, choose_next: bool,

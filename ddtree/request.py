@@ -120,21 +120,27 @@ def validate_request(request: Request, vocab_size: int, context: int) -> None:
         )
 
 
-def emit(row: Row, tokens: list[int], accept: int | None, logprobs: list[float] | None = None) -> StepOutput:
+def emit(row: Row, tokens: list[int], accept: int | None, logprobs: list[float] | None = None,
+         budgets: list[int] | None = None) -> StepOutput:
     """Append a round's committed `tokens` to `row` up to a stop token or max_new_tokens; what the caller gets
-    (`logprobs`, one per token, are cut with them)."""
+    (`logprobs`, one per token, are cut with them; `budgets`: the round's tree size). Once per row per round,
+    on the host between two rounds: `tokens` is handed on uncopied when nothing cuts it."""
     req = row.request
-    room = req.max_new_tokens - len(row.output)
-    kept, reason = [], None
-    for tok in tokens[:room]:
-        kept.append(tok)
-        if tok in row.stop_ids:
-            reason = "stop"
-            break
-    if reason is None and len(row.output) + len(kept) >= req.max_new_tokens:
+    output = row.output
+    room = req.max_new_tokens - len(output)
+    kept = tokens if len(tokens) <= room else tokens[:room]
+    reason = None
+    stop_ids = row.stop_ids
+    if stop_ids and not stop_ids.isdisjoint(kept):
+        for i, tok in enumerate(kept):
+            if tok in stop_ids:
+                kept, reason = kept[: i + 1], "stop"
+                break
+    if reason is None and len(kept) >= room:
         reason = "length"
-    row.output.extend(kept)
+    output.extend(kept)
     if accept is not None:
         row.accept_lengths.append(accept)
     return StepOutput(req.request_id, kept, reason is not None, reason, row.verify_steps,
-                      [accept] if accept is not None else [], logprobs=list(logprobs[: len(kept)]) if logprobs else [])
+                      [accept] if accept is not None else [], budgets if budgets is not None else [],
+                      logprobs[: len(kept)] if logprobs else [])
