@@ -32,7 +32,8 @@ class ServerMetrics:
         )
         self.rounds = Counter("ddtree_decode_rounds", "Decode rounds of the whole batch", registry=self.registry)
         self.round_seconds = Counter(
-            "ddtree_decode_round_seconds", "Time in decode rounds (the batch's step(), host sync included)",
+            "ddtree_decode_round_seconds",
+            "Time in decode rounds (launch to outputs, what the batch's step() takes, host sync included)",
             registry=self.registry,
         )
         self.running = Gauge("ddtree_running_requests", "Requests in the batch", registry=self.registry)
