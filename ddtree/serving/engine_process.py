@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import gc
 import logging
 import multiprocessing
@@ -243,6 +244,21 @@ class Relay:
                 "queued": s.queued, "budget": s.budget_state()}
 
 
+PIPE_BYTES = 1 << 20  # Linux's default /proc/sys/fs/pipe-max-size
+F_SETPIPE_SZ = 1031  # linux/fcntl.h (fcntl.F_SETPIPE_SZ from Python 3.10, on Linux only)
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe that holds a burst: 32 arrivals of 1024 ids are ~100 KB of submits, more than the default 64 KiB,
+    and a full pipe blocks the HTTP process's event loop in write() until the engine's reader drains it."""
+    read, write = os.pipe()
+    try:
+        fcntl.fcntl(write, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:
+        pass  # not Linux, or a lower pipe-max-size: the default size still works, only slower under bursts
+    return read, write
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when the HTTP process dies, even while it loads (when nothing reads the pipe yet).
     Linux's prctl(PR_SET_PDEATHSIG); elsewhere the pipe's EOF after loading is the only sign."""
@@ -343,8 +359,8 @@ class EngineProcess:
         """load() -> (engine, context_length), in the child; serve(engine, context_length, metrics, deliver)
         -> the Scheduler it runs there."""
         context = multiprocessing.get_context("fork")
-        child_requests, self._requests = os.pipe()
-        self._events, child_events = os.pipe()
+        child_requests, self._requests = _pipe()
+        self._events, child_events = _pipe()
         self._process = context.Process(
             target=engine_main, name="ddtree-engine", daemon=True,
             args=(child_requests, child_events, (self._requests, self._events), load, serve, log_level))

@@ -46,6 +46,21 @@ def test_frames_come_out_whole_however_the_pipe_splits_them(items: list[Any], cu
     assert out == items
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="F_SETPIPE_SZ is Linux's")
+def test_the_pipes_hold_a_burst_of_arrivals_without_a_reader() -> None:
+    """32 submits of 1024 ids (~100 KB) fit in the pipe at once: the HTTP side's loop never waits for the engine's
+    reader to drain the default 64 KiB."""
+    read, write = ep._pipe()
+    try:
+        os.set_blocking(write, False)  # a full pipe raises instead of hanging the test
+        request = Request("r", list(range(1000, 2024)), 8)
+        for i in range(32):
+            ep.write_frame(write, ("submit", request, True, True))
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 def test_write_frame_and_read_frames_round_trip_through_a_pipe() -> None:
     r, w = os.pipe()
     big = list(range(100_000))  # larger than a pipe's buffer: written in pieces
