@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests
+from ddtree.bench.results import git_commit
 from ddtree.bench.metrics import percentile
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
@@ -516,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = datetime.now(UTC).isoformat(timespec="seconds")
     meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
-            "engine": args.engine, "device": args.device, "client_processes": args.client_processes}
+            "engine": args.engine, "device": args.device, "client_processes": args.client_processes,
+            "commit": git_commit()}
 
     def write(rows: list[dict[str, Any]]) -> None:
         if args.out:

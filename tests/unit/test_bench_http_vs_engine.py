@@ -190,15 +190,18 @@ def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str])
     assert hve.main(["--engine", "emulated", "--concurrency", "64", "--max-running-requests", "32"]) == 2
 
 
-def test_emulated_run_through_the_server(tmp_path: Path) -> None:
+def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine, streaming and plain clients on the same prompts, through a real server process; T = 0
     outputs identical both ways (the exit status says so)."""
+    monkeypatch.setenv("DDTREE_COMMIT", "pinned-for-the-test")
     out = tmp_path / "hve.json"
     code = hve.main(["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "3",
                      "--requests", "3", "--repeats", "1", "--warmup", "1", "--max-new-tokens", "12",
                      "--max-running-requests", "4", "--round-ms", "1", "--out", str(out)])
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert data["meta"]["commit"] == "pinned-for-the-test"  # DDTREE_COMMIT: a copied tree names its commit
     assert [(r["context"], r["concurrency"]) for r in rows] == [(60, 1), (60, 3)]
     for row in rows:
         assert set(row["mismatched"].values()) == {0}
