@@ -193,7 +193,9 @@ def drafter_step(
     b = batch if isinstance(batch, DraftBatch) else DraftBatch(batch)
     ids = b.ids
     bs, n = ids.shape
-    with torch.no_grad():
+    # the frozen target runs in float32 outside autocast: its labels are then the float32 engine's own choices,
+    # and its inference kernels (no gradient needed) get inputs in their weights' dtype
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
         t_logits, taps = target.forward_train(ids, list(drafter.config.target_layer_ids))  # [bs, T, n_taps*D]
     if b.lo is None and b.hi is None:
         anchors = sample_anchors(bs, n, shape.num_anchors, shape.block_size, gen)
@@ -233,8 +235,9 @@ def evaluate_drafter(
         loss_sum, hits, runs, blocks = 0.0, torch.zeros(shape.block_size - 1), 0.0, 0
         for _ in range(opts.eval_batches):
             ids = sampler.sample(opts.batch_size).to(device)
-            with autocast(device):
-                loss, logits, labels = drafter_step(drafter, target, ids, shape, gen, weights, label)
+            # float32, no autocast: with no gradient the layers take their inference kernels on CUDA, which
+            # want inputs in their weights' dtype
+            loss, logits, labels = drafter_step(drafter, target, ids, shape, gen, weights, label)
             ok = (logits.argmax(-1) == labels).float()  # [bs, A, L]
             loss_sum += float(loss)
             hits += ok.sum((0, 1)).cpu()

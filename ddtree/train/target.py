@@ -92,8 +92,9 @@ def evaluate_lm(model: Any, tokens: np.ndarray, opts: TrainOptions, device: torc
     total = 0.0
     for _ in range(opts.eval_batches):
         ids = sampler.sample(opts.batch_size).to(device)
-        with autocast(device):
-            total += float(lm_loss(model, ids))
+        # float32, no autocast: with no gradient the layers take their inference kernels on CUDA, which
+        # want inputs in their weights' dtype
+        total += float(lm_loss(model, ids))
     model.train(was_training)
     return total / opts.eval_batches
 
