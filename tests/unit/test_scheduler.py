@@ -13,6 +13,7 @@ from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request, StepOutput
 from ddtree.serving.scheduler import Failure, Scheduler
 from tests.unit.test_engine import AR, make_engine, prompts
+from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
 
 EMU = SpecConfig.from_id("ar")
 
@@ -296,3 +297,19 @@ def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> 
     assert row["mismatched"] == dict.fromkeys(ro.MODES, 0)
     for mode in ro.MODES:
         assert row[mode]["rounds"] == 21 and row[mode]["period_us"] > 0 and row[mode]["round_us"] > 0
+
+
+@pytest.mark.parametrize("config", ["b6-k3-wnone-bs6", "bauto12-k3-wnone-bs6"])
+def test_served_graphed_rounds_equal_ar_at_t0(engine: Engine, config: str) -> None:
+    """The graphed batch's rounds (replays, row buckets, budget auto choosing the next size on the device)
+    run eagerly on the CPU through the scheduler, the graph warm-up first: AR's tokens."""
+    spec = SpecConfig.from_id(config)
+    texts = prompts(4, seed=41)
+    ref = engine.generate(texts, 14, spec=AR)
+    batch = _with_attention(engine, "reference").open_batch(spec, max_batch=3, max_len=200)
+    batch.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    reqs = [Request(str(i), p, 14) for i, p in enumerate(texts)]
+    events = Events([r.request_id for r in reqs])
+    run(Scheduler(batch, max_running=3, warm_token=5, switch_interval_s=None), events, reqs, timeout=300)
+    assert [events.tokens(str(i)) for i in range(4)] == [r.token_ids for r in ref]
+    assert any(k[0] == "round" for k in graphs.keys) and not batch.rows
