@@ -35,8 +35,8 @@ from ddtree.train.loop import (
     BatchSampler,
     Progress,
     TrainOptions,
-    autocast,
     make_optimizer,
+    matmul_precision,
     resolve_device,
     run_steps,
 )
@@ -193,9 +193,8 @@ def drafter_step(
     b = batch if isinstance(batch, DraftBatch) else DraftBatch(batch)
     ids = b.ids
     bs, n = ids.shape
-    # the frozen target runs in float32 outside autocast: its labels are then the float32 engine's own choices,
-    # and its inference kernels (no gradient needed) get inputs in their weights' dtype
-    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):
+    # the frozen target's matmuls in IEEE float32, as the engine serves it: its labels are the engine's choices
+    with torch.no_grad(), matmul_precision(ids.device, tf32=False):
         t_logits, taps = target.forward_train(ids, list(drafter.config.target_layer_ids))  # [bs, T, n_taps*D]
     if b.lo is None and b.hi is None:
         anchors = sample_anchors(bs, n, shape.num_anchors, shape.block_size, gen)
@@ -394,7 +393,7 @@ def train_drafter(
     def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, float]]:
         batch = next_batch()
         ids = batch.ids if isinstance(batch, DraftBatch) else batch
-        with autocast(device):
+        with matmul_precision(device, tf32=True):
             loss, logits, labels = drafter_step(step_drafter, target, batch, shape, gen, weights, label)
         extra: dict[str, float] = {}
         if (step + 1) % opts.log_every == 0:
@@ -495,7 +494,7 @@ embedding and output head (not stored here).
   a block sees the frozen target's tapped hidden states at positions anchor - {sh['window']} <= p < anchor, and itself.
 {rollout_section(s.get('rollouts'), o['batch_size'])}
 - AdamW (betas 0.9/0.95, weight decay {o['weight_decay']}), lr {o['lr']}, {o['warmup_steps']} warm-up steps, cosine to
-  {o['lr'] * o['min_lr_ratio']:.2g}, gradient clipping {o['grad_clip']}, bf16 autocast on CUDA; seed {o['seed']}.
+  {o['lr'] * o['min_lr_ratio']:.2g}, gradient clipping {o['grad_clip']}, float32 with TF32 matmuls on CUDA; seed {o['seed']}.
 - First/last step loss {fmt(s['first_loss'])} / {fmt(s['last_loss'])}.
 
 ## Results

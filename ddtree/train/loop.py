@@ -5,10 +5,11 @@ Knows nothing of either model: the trainers pass a `step` callable and read back
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
@@ -130,11 +131,23 @@ def make_optimizer(params: list[tuple[str, torch.nn.Parameter]], opts: TrainOpti
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
 
 
-def autocast(device: torch.device) -> Any:
-    """bf16 autocast on CUDA (weights stay fp32 masters); plain fp32 on the CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, tf32: bool) -> Iterator[None]:
+    """Float32 matmuls (and cuDNN convolutions) in TF32 (tf32=True) or IEEE float32 inside the block, on CUDA.
+
+    Training runs in float32 with TF32 matmuls rather than under bf16 autocast: the models' norm/rope
+    ops take their weights in the input's dtype (ddtree.kernels.norm_rope), which autocast's bf16
+    activations with float32 norm weights break. A no-op on the CPU.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 class Progress:

@@ -35,8 +35,8 @@ from ddtree.train.loop import (
     BatchSampler,
     Progress,
     TrainOptions,
-    autocast,
     make_optimizer,
+    matmul_precision,
     resolve_device,
     run_steps,
 )
@@ -133,7 +133,7 @@ def train_target(
 
     def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, float]]:
         ids = sampler.sample(opts.batch_size).to(device, non_blocking=True)
-        with autocast(device):
+        with matmul_precision(device, tf32=True):
             loss = lm_loss(step_model, ids)
         return loss, ids.shape[0] * (ids.shape[1] - 1), {}
 
@@ -199,7 +199,7 @@ test suite (speculative-decoding correctness and speed fixtures). It is not a us
   offsets, {o['doc_start_prob']:.0%} of them starting at a document boundary), {s['tokens_seen']:,} tokens,
   {s['train_time_s']} s on {o['device']} ({', '.join(f'{k} {v}' for k, v in s['environment'].items())}).
 - AdamW (betas 0.9/0.95, weight decay {o['weight_decay']}), lr {o['lr']} with {o['warmup_steps']} warm-up steps then
-  cosine to {o['lr'] * o['min_lr_ratio']:.2g}, gradient clipping {o['grad_clip']}, bf16 autocast on CUDA; seed {o['seed']}.
+  cosine to {o['lr'] * o['min_lr_ratio']:.2g}, gradient clipping {o['grad_clip']}, float32 with TF32 matmuls on CUDA; seed {o['seed']}.
 - Final train loss {fmt(s['final_train_loss'])}, held-out loss {fmt(s['final_heldout_loss'])}
   (nats/token, {o['eval_batches']} batches each); first/last step loss {fmt(s['first_loss'])} / {fmt(s['last_loss'])}.
 
