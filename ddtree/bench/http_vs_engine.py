@@ -7,8 +7,8 @@ r"""The HTTP server against the engine in process, on the same prompts: `python 
 Per config one server is started (`python -m ddtree.server`, the suite's local backend) and one batch is
 opened in this process the way the server opens its own (same rows, same length). Per cell (context x
 concurrency) every repeat times, in turn: the batch driven directly (a closed loop of `concurrency`
-requests, as the server's scheduler would run it with no HTTP, thread or text in between), a streaming
-client and a non-streaming client (the sweep's load generator, ddtree.bench.loadgen). Each prints
+requests on a thread of its own, as the server's scheduler runs it, with no HTTP, hand-over or text in
+between), a streaming client and a non-streaming client (the sweep's load generator, ddtree.bench.loadgen). Each prints
 output tok/s, TTFT, TPOT and E2E (median and p90) and the ratio HTTP / in process of the medians.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import shlex
 import statistics
@@ -466,11 +467,18 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     return rows
 
 
+# The in-process loop's thread. The server's rounds run on its scheduler's thread; on the 2-core CPU torch ran
+# the fixture's rounds up to ~5x slower on the main thread with its two intra-op threads
+# (ddtree.bench.round_overhead), which made the in-process side the slower one.
+_ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
+
+
 def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: SpecConfig, prompts: list[list[int]],
           ctx: int, conc: int, log: Any) -> dict[str, Any]:
     n = args.requests or max(conc, 8)
     warm, timed = prompts[:args.warmup], prompts[args.warmup:args.warmup + n]
-    run_in_process(engine, batch, timed, conc, args.max_new_tokens)  # the engine at its best: captures made
+    in_process = _ROUND_THREAD.submit  # on a thread, as the server's scheduler runs its rounds
+    in_process(run_in_process, engine, batch, timed, conc, args.max_new_tokens).result()  # untimed: captures made
     if warm:
         for stream in (True, False):
             asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
@@ -484,7 +492,7 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
             t0 = time.perf_counter()
             if mode == "engine":
                 steps: list[float] = []
-                records = run_in_process(engine, batch, timed, conc, args.max_new_tokens, steps)
+                records = in_process(run_in_process, engine, batch, timed, conc, args.max_new_tokens, steps).result()
                 _sync(engine)
                 wall = time.perf_counter() - t0
                 round_ms = 1000.0 * statistics.fmean(steps) if steps else None
