@@ -288,6 +288,10 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
 
 
+POOL_PAUSE_S = 0.2  # each of the pool's first tasks holds its worker this long (doubled until all have answered)
+POOL_START_S = 60.0  # past a pause this long the pool has not started
+
+
 def _ready(pause_s: float) -> int:
     time.sleep(pause_s)  # holds this worker, so each of the pool's first tasks starts its own process
     return os.getpid()
@@ -299,9 +303,17 @@ def client_pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
     pool = _POOLS.get(processes)
     if pool is None:
         pool = concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-        pids = set(pool.map(_ready, [0.2] * processes))
-        if len(pids) != processes:  # pragma: no cover - the executor starts a process per waiting task
-            raise RuntimeError(f"client pool: {len(pids)} of {processes} processes started")
+        pids: set[int] = set()
+        pause = POOL_PAUSE_S
+        # The executor starts a process per waiting task, but one that is up first may finish its pause and take a
+        # second task before the slowest has started (spawning takes seconds on a busy machine): longer pauses
+        # until every process has answered.
+        while len(pids) < processes:
+            if pause > POOL_START_S:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise RuntimeError(f"client pool: {len(pids)} of {processes} processes started")
+            pids |= set(pool.map(_ready, [pause] * processes))
+            pause *= 2
         _POOLS[processes] = pool
     return pool
 

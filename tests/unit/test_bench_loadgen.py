@@ -248,3 +248,17 @@ def test_client_processes_must_be_a_positive_integer(server: tuple[str, FakeStat
     url, _ = server
     with pytest.raises(ConfigError, match="processes"):
         run_load(url, [[1]], concurrency=1, max_new_tokens=2, processes=0)
+
+
+def test_client_pool_starts_every_process_even_when_its_first_pauses_are_too_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause shorter than a spawn lets one process take two of the first tasks; the pool still comes up whole."""
+    monkeypatch.setattr(loadgen, "POOL_PAUSE_S", 0.001)
+    monkeypatch.setattr(loadgen, "_POOLS", {})
+    pool = loadgen.client_pool(3)
+    try:
+        assert len(pool._processes) == 3
+        assert all(p.is_alive() for p in pool._processes.values())
+        assert loadgen._POOLS == {3: pool}
+    finally:
+        pool.shutdown(wait=True)
