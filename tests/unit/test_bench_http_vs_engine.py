@@ -250,3 +250,15 @@ def test_emulated_round_overlaps_host_work_between_launch_and_collect() -> None:
     started = time.perf_counter()
     assert [o.new_token_ids for o in batch.step()] == [[3]]  # step() = launch() + collect(): the whole wait
     assert time.perf_counter() - started >= 0.2
+
+
+def test_a_repeats_span_runs_from_the_first_start_to_the_last_end() -> None:
+    """tok/s divides by the requests' own span, the same for every mode, whatever the caller did around them."""
+    from ddtree.bench.loadgen import RequestRecord
+
+    records = [RequestRecord(ok=True, started_at=100.0, e2e_s=0.5), RequestRecord(ok=True, started_at=100.2, e2e_s=0.6),
+               RequestRecord(ok=False, started_at=100.1, e2e_s=0.1)]
+    assert hve.run_span(records) == pytest.approx(0.8)
+    summary = hve.summarize([RequestRecord(ok=True, started_at=5.0, e2e_s=2.0, completion_tokens=10)],
+                            hve.run_span([RequestRecord(ok=True, started_at=5.0, e2e_s=2.0)]))
+    assert summary["tok_per_s"] == pytest.approx(5.0) and summary["duration_s"] == pytest.approx(2.0)
