@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests
+from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests, tls_verify
 from ddtree.bench.results import git_commit
 from ddtree.bench.metrics import percentile
 from ddtree.config import SpecConfig
@@ -305,7 +305,7 @@ def server_rounds(url: str) -> tuple[float, float] | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10, trust_env=False).text
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10, trust_env=False, verify=tls_verify(url)).text
     except httpx.HTTPError:
         return None
     found = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
