@@ -40,7 +40,7 @@ from typing import Any
 
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests, tls_verify
 from ddtree.bench.results import git_commit
-from ddtree.bench.metrics import percentile
+from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, RequestError
@@ -227,15 +227,8 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
 # -- numbers --------------------------------------------------------------------------------------------
 
 
-def run_span(records: Sequence[RequestRecord]) -> float:
-    """Seconds from the first request's start to the last one's end, the same for every mode: what a repeat's
-    tok/s divides by. Not the caller's clock around the whole run, which would count what only one side pays
-    outside its requests (a client's event loop, session and process hand-off; a /metrics scrape)."""
-    return max(r.started_at + (r.e2e_s or 0.0) for r in records) - min(r.started_at for r in records)
-
-
 def summarize(records: Sequence[RequestRecord], duration_s: float, round_ms: float | None = None) -> dict[str, Any]:
-    """tok/s over the repeat's span (run_span); TTFT, TPOT, E2E median and p90 in ms; failures counted; the server's
+    """tok/s over the repeat's span (records_duration_s); TTFT, TPOT, E2E median and p90 in ms; failures counted; the server's
     own TTFT (meta_info, from queueing on) and the mean decode round (`round_ms`) where known."""
     done = [r for r in records if r.ok]
 
@@ -505,7 +498,10 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
                 records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
                                                    processes=args.client_processes))
                 round_ms = _mean_round_ms(before, server_rounds(url))
-            span = run_span(records)
+            # the requests' own span (first start to last end), as the sweep measures a repeat: not a clock around
+            # the run, which would count what only one side pays outside its requests (a client's event loop,
+            # session and process hand-off; a /metrics scrape)
+            span = records_duration_s(records)
             outputs = [r.output_ids for r in records]
             reference = outputs if reference is None else reference
             mismatched[mode] = max(mismatched[mode], sum(1 for a, b in zip(outputs, reference) if a != b))

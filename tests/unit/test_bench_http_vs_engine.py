@@ -252,13 +252,24 @@ def test_emulated_round_overlaps_host_work_between_launch_and_collect() -> None:
     assert time.perf_counter() - started >= 0.2
 
 
-def test_a_repeats_span_runs_from_the_first_start_to_the_last_end() -> None:
-    """tok/s divides by the requests' own span, the same for every mode, whatever the caller did around them."""
-    from ddtree.bench.loadgen import RequestRecord
 
-    records = [RequestRecord(ok=True, started_at=100.0, e2e_s=0.5), RequestRecord(ok=True, started_at=100.2, e2e_s=0.6),
-               RequestRecord(ok=False, started_at=100.1, e2e_s=0.1)]
-    assert hve.run_span(records) == pytest.approx(0.8)
-    summary = hve.summarize([RequestRecord(ok=True, started_at=5.0, e2e_s=2.0, completion_tokens=10)],
-                            hve.run_span([RequestRecord(ok=True, started_at=5.0, e2e_s=2.0)]))
-    assert summary["tok_per_s"] == pytest.approx(5.0) and summary["duration_s"] == pytest.approx(2.0)
+def test_a_repeats_tok_per_s_is_over_its_requests_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every mode's tok/s divides by its requests' own span (the sweep's records_duration_s), so a slow /metrics
+    scrape around an HTTP repeat is not counted."""
+    import time
+
+    real = hve.server_rounds
+
+    def slow_scrape(url: str) -> tuple[float, float] | None:
+        time.sleep(0.3)
+        return real(url)
+
+    monkeypatch.setattr(hve, "server_rounds", slow_scrape)
+    args = hve.build_parser().parse_args(
+        ["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "--requests", "2",
+         "--repeats", "1", "--warmup", "0", "--max-new-tokens", "8", "--max-running-requests", "2",
+         "--round-ms", "1", "--modes", "stream", "--device", "cpu"])
+    (row,) = hve.run(args, log=lambda *_, **__: None)
+    for mode in ("engine", "stream"):
+        assert row[mode]["duration_s"] < 0.25, (mode, row[mode]["duration_s"])  # 2 x 8 rounds of 1 ms, not 0.6 s
+        assert row[mode]["tok_per_s"] == pytest.approx(16 / row[mode]["duration_s"])
