@@ -196,15 +196,33 @@ def on_a_thread(fn: Any, *args: Any) -> Any:
     return result[0]
 
 
+def choice_state(batch: Any) -> tuple[Any, ...] | None:
+    """Budget auto's state that carries from one run to the next on a batch (the size chosen ahead, the
+    choosing rounds' phase, the running mean of gains), to start every run from the same one: then every
+    mode verifies the same tree sizes (graphed; an eager batch also calibrates its costs as it goes)."""
+    gains = getattr(batch, "_gains", None)
+    if gains is None:
+        return None
+    return batch._next_budget, batch._rounds_ahead, gains.clone()
+
+
+def restore_choice_state(batch: Any, state: tuple[Any, ...] | None) -> None:
+    if state is not None:
+        batch._next_budget, batch._rounds_ahead = state[0], state[1]
+        batch._gains.copy_(state[2])
+
+
 def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool) -> dict[str, Any]:
     """Every mode `repeats` times in turns; per mode the medians of RoundClock.summary, the excess over in
     process, and how many requests' tokens differed from the first run's."""
     clock = RoundClock(batch)
     on_a_thread(in_process, batch, requests)  # untimed: graphs captured, caches warm
+    auto = choice_state(batch)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     reference, mismatched = None, {m: 0 for m in MODES}
     for _ in range(repeats):
         for mode in MODES:  # in turns: a drifting machine moves every mode alike
+            restore_choice_state(batch, auto)
             _sync(device)
             clock.reset()
             if mode == "in process":
