@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import shlex
 import statistics
@@ -39,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests, tls_verify
-from ddtree.bench.results import git_commit
 from ddtree.bench.metrics import percentile, records_duration_s
+from ddtree.bench.results import git_commit
+from ddtree.bench.round_overhead import on_a_thread
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, RequestError
@@ -467,18 +467,13 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     return rows
 
 
-# The in-process loop's thread. The server's rounds run on its scheduler's thread; on the 2-core CPU torch ran
-# the fixture's rounds up to ~5x slower on the main thread with its two intra-op threads
-# (ddtree.bench.round_overhead), which made the in-process side the slower one.
-_ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
-
-
 def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: SpecConfig, prompts: list[list[int]],
           ctx: int, conc: int, log: Any) -> dict[str, Any]:
     n = args.requests or max(conc, 8)
     warm, timed = prompts[:args.warmup], prompts[args.warmup:args.warmup + n]
-    in_process = _ROUND_THREAD.submit  # on a thread, as the server's scheduler runs its rounds
-    in_process(run_in_process, engine, batch, timed, conc, args.max_new_tokens).result()  # untimed: captures made
+    # the in-process loop runs on a thread, as the server's scheduler runs its rounds (on the 2-core CPU torch
+    # ran the fixture's rounds up to ~5x slower on the main thread, with its two intra-op threads)
+    on_a_thread(run_in_process, engine, batch, timed, conc, args.max_new_tokens)  # untimed: captures made
     if warm:
         for stream in (True, False):
             asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
@@ -491,7 +486,7 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
             _sync(engine)
             if mode == "engine":
                 steps: list[float] = []
-                records = in_process(run_in_process, engine, batch, timed, conc, args.max_new_tokens, steps).result()
+                records = on_a_thread(run_in_process, engine, batch, timed, conc, args.max_new_tokens, steps)
                 round_ms = 1000.0 * statistics.fmean(steps) if steps else None
             else:
                 before = server_rounds(url)  # a /metrics scrape: 20-40 ms, outside every timed span

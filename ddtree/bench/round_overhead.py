@@ -20,10 +20,10 @@ so a period is the loop's own Python: the scheduler's per-round cost at `--rows`
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -185,15 +185,15 @@ def served(batch: Any, requests: list[Request], on_gpu: bool) -> dict[str, list[
     return out
 
 
+# One thread for the loops timed in process, kept across calls (ddtree.bench.http_vs_engine uses it too)
+_ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
+
+
 def on_a_thread(fn: Any, *args: Any) -> Any:
-    """fn(*args) on a thread of its own, as the scheduler's rounds run: on the 2-core CPU the fixture's AR
-    round took ~5x longer on the main thread (torch's two intra-op threads) than on a new thread, or on the
-    main thread after torch.set_num_threads(1)."""
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(fn(*args)))
-    thread.start()
-    thread.join()
-    return result[0]
+    """fn(*args) on a thread of its own, as the scheduler's rounds run (what fn raises is raised here): on the
+    2-core CPU the fixture's AR round took ~5x longer on the main thread (torch's two intra-op threads) than
+    on another thread, or on the main thread after torch.set_num_threads(1)."""
+    return _ROUND_THREAD.submit(fn, *args).result()
 
 
 def choice_state(batch: Any) -> tuple[Any, ...] | None:
