@@ -257,7 +257,10 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
     url = base_url.rstrip("/") + "/generate"
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency, ssl=tls_verify(base_url))
-    async with aiohttp.ClientSession(connector=connector, trust_env=False) as client:
+    # No session timeout: asyncio.timeout(timeout_s) in _one bounds each request (aiohttp's default would cut
+    # every request at 300 s, whatever timeout_s says)
+    no_limit = aiohttp.ClientTimeout(total=None, sock_connect=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=no_limit, trust_env=False) as client:
 
         async def gated(i: int, prompt: Sequence[int]) -> RequestRecord:
             sampling: dict[str, Any] = {

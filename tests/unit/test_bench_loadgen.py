@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -180,6 +181,17 @@ def test_failures_are_recorded_not_raised(server: tuple[str, FakeState]) -> None
     assert records[1].error is not None and "HTTP 500" in records[1].error and "boom" in records[1].error
     assert records[2].error is not None and "timeout" in records[2].error
     assert records[2].e2e_s is not None and records[2].e2e_s >= 1.0
+
+
+def test_timeout_s_alone_bounds_a_request(server: tuple[str, FakeState], monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp's session default (a 300 s total) must not cut a request that timeout_s allows; scaled down here:
+    a default of 20 ms against a ~0.1 s stream and a plain answer of 30 ms."""
+    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=0.02))
+    url, _ = server
+    streamed = run_load(url, [[1, 2]], concurrency=1, max_new_tokens=30, timeout_s=20)
+    plain = run_load(url, [[1, 2]], concurrency=1, max_new_tokens=4, timeout_s=20, stream=False)
+    assert streamed[0].ok and plain[0].ok, (streamed[0].error, plain[0].error)
+    assert streamed[0].completion_tokens == 30
 
 
 def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, FakeState]) -> None:
