@@ -30,6 +30,7 @@ from fastapi import FastAPI
 
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.serving import stamps
 from ddtree.serving.api import install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
 from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, freeze_heap
@@ -64,6 +65,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if scheduler is not None:
             freeze_heap()  # this process only serves from now on (see freeze_heap)
+        if stamps.ON:
+            loop = asyncio.get_running_loop()
+            stamps.set_role("http")
+            stamps.meta("loop", f"{type(loop).__module__}.{type(loop).__qualname__}")
         state.start()
         warm_up = asyncio.create_task(state.warm_up())
         try:
@@ -71,6 +76,8 @@ def create_app(
         finally:
             warm_up.cancel()
             await asyncio.to_thread(state.stop)
+            if stamps.ON:
+                stamps.dump()
 
     app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ddtree = state
@@ -171,6 +178,12 @@ def serve(engine: EngineProcess, args: ServerArgs, codec: TextCodec | None) -> i
     app = create_app(info, args.spec, args, codec, scheduler=engine)
     log.info(init_line(args.spec))
     state: ServerState = app.state.ddtree
+    http: Any = "auto"  # httptools where installed, else h11 (and uvloop's loop where installed)
+    if stamps.ON:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        http = stamps.stamped_protocol(AutoHTTPProtocol)
+        stamps.meta("http", AutoHTTPProtocol.__name__)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -178,6 +191,7 @@ def serve(engine: EngineProcess, args: ServerArgs, codec: TextCodec | None) -> i
         log_config=None,  # our root handler formats uvicorn's lines too
         access_log=False,
         lifespan="on",
+        http=http,
         timeout_graceful_shutdown=5,
     )
     server = _DrainingServer(config, state, args.drain_timeout)

@@ -54,6 +54,9 @@ class RequestRecord:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     started_at: float = 0.0
+    rid: str | None = None  # meta_info's id: the server's name for the request
+    # with timeline=True: CLOCK_MONOTONIC ns at c_send, c_first, c_last (tokens), c_done ([DONE] or the body), c_end
+    stamps: dict[str, int] = field(default_factory=dict)
 
 
 @functools.cache
@@ -91,6 +94,8 @@ def _finish_reason(meta: dict[str, Any]) -> str | None:
 
 
 def _apply_meta(record: RequestRecord, meta: dict[str, Any]) -> None:
+    if record.rid is None and isinstance(meta.get("id"), str):
+        record.rid = meta["id"]
     if "prompt_tokens" in meta:
         record.prompt_tokens = int(meta["prompt_tokens"])
     if meta.get("spec_verify_ct") is not None:
@@ -127,6 +132,8 @@ async def _send_plain(client: aiohttp.ClientSession, url: str, body: bytes, reco
         if response.status != 200:
             record.error = f"HTTP {response.status}: {content.decode('utf-8', 'replace')[:MAX_ERROR_BODY]}"
             return
+    if record.stamps:
+        record.stamps["c_done"] = time.monotonic_ns()
     data = orjson.loads(content)
     meta = data.get("meta_info") or {}
     record.output_ids = list(data.get("output_ids") or [])
@@ -152,6 +159,9 @@ def _apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float, t0: f
         else:
             record.itl_s.append(now - last_token_at)
         last_token_at = now
+        if record.stamps:
+            record.stamps.setdefault("c_first", time.monotonic_ns())
+            record.stamps["c_last"] = time.monotonic_ns()
     _apply_meta(record, meta)
     return last_token_at
 
@@ -176,6 +186,8 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
                         record.ok = True
+                        if record.stamps:
+                            record.stamps["c_done"] = time.monotonic_ns()
                         return
                     chunk = orjson.loads(payload)
                     if "error" in chunk:
@@ -186,10 +198,12 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
 
 
 async def _one(client: aiohttp.ClientSession, url: str, prompt: Sequence[int],
-               sampling: dict[str, Any], stream: bool, timeout_s: float) -> RequestRecord:
+               sampling: dict[str, Any], stream: bool, timeout_s: float, timeline: bool = False) -> RequestRecord:
     # orjson: the client's own encoding and parsing stay small beside the server's (a 32-request wave is ~0.1 s)
     body = orjson.dumps({"input_ids": list(prompt), "sampling_params": sampling, "stream": stream})
     record = RequestRecord(ok=False, prompt_tokens=len(prompt), started_at=time.time())
+    if timeline:
+        record.stamps["c_send"] = time.monotonic_ns()
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):  # bounds the whole request, stream included
@@ -204,6 +218,8 @@ async def _one(client: aiohttp.ClientSession, url: str, prompt: Sequence[int],
     if not record.ok and record.error is None:
         record.error = "no answer"
     _finish(record, t0)
+    if timeline:
+        record.stamps["c_end"] = time.monotonic_ns()
     return record
 
 
@@ -218,6 +234,7 @@ async def run_requests(
     timeout_s: float = 600,
     seed: int | None = None,
     processes: int = 1,
+    timeline: bool = False,
 ) -> list[RequestRecord]:
     """Send every prompt once, keeping `concurrency` in flight; records in prompt order.
 
@@ -228,13 +245,15 @@ async def run_requests(
     i mod processes, each keeping its share of `concurrency` in flight. One asyncio client spends ~1 ms of
     Python a request, so 32 arrivals leave it one after another over tens of milliseconds: at high
     concurrency on a fast server the client, not the server, sets the pace.
+
+    timeline: each record's `stamps` get the client's CLOCK_MONOTONIC times (ddtree.bench.timeline).
     """
     _check_args(prompts, concurrency, max_new_tokens, timeout_s)
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"processes: {processes!r} must be an integer >= 1")
     items = list(enumerate(prompts))
     procs = min(processes, concurrency, len(items))
-    settings = (max_new_tokens, temperature, ignore_eos, stream, timeout_s, seed)
+    settings = (max_new_tokens, temperature, ignore_eos, stream, timeout_s, seed, timeline)
     if procs <= 1:
         return await _run_indexed(base_url, items, concurrency, *settings)
     shares = [items[k::procs] for k in range(procs)]
@@ -252,7 +271,7 @@ async def run_requests(
 
 async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]], concurrency: int,
                        max_new_tokens: int, temperature: float, ignore_eos: bool, stream: bool, timeout_s: float,
-                       seed: int | None) -> list[RequestRecord]:
+                       seed: int | None, timeline: bool = False) -> list[RequestRecord]:
     """(index, prompt) pairs, `concurrency` in flight from one client; the index picks the seed."""
     url = base_url.rstrip("/") + "/generate"
     gate = asyncio.Semaphore(concurrency)
@@ -271,7 +290,7 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
             if seed is not None:
                 sampling["seed"] = seed + i
             async with gate:
-                return await _one(client, url, prompt, sampling, stream, timeout_s)
+                return await _one(client, url, prompt, sampling, stream, timeout_s, timeline)
 
         return list(await asyncio.gather(*(gated(i, p) for i, p in items)))
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ddtree.errors import RequestError
+from ddtree.serving import stamps
 from ddtree.serving.args import read_config
 from ddtree.serving.openai_api import install_openai_routes
 from ddtree.serving.replies import (
@@ -59,7 +60,10 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
     async def read_body(request: Request) -> dict[str, Any]:
         if state.draining:
             raise RequestError("server is shutting down", status_code=503)
-        return parse_json(await request.body())
+        raw = await request.body()
+        if stamps.ON:
+            stamps.mark(request.scope, "h_body")
+        return parse_json(raw)
 
     def codec_or_400(field: str) -> Any:
         if state.codec is None:
@@ -149,7 +153,12 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
         return {"text": texts if batched else texts[0]}
 
     async def generate(request: Request) -> Response:
+        if stamps.ON:
+            stamps.mark(request.scope, "h_asgi")
         jobs, as_list = parse_generate(await read_body(request), state.limits)
+        if stamps.ON:
+            stamps.mark(request.scope, "h_parsed")
+            stamps.attach(request.scope, [job.request.request_id for job in jobs])
         pairs = submit_all(state, jobs)
         if jobs[0].stream:
             updates = await follow_all(state, pairs)
@@ -166,10 +175,15 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
                         chunk["index"] = i  # SGLang's batch stream: which prompt (and sample) a chunk is of
                     if r.finished:
                         ended.add(i)
+                    if stamps.ON:
+                        stamps.stamp(r.job.request.request_id, "h_last_chunk" if r.finished else "h_first_chunk")
                     yield sse(chunk)
 
             return sse_response(state, pairs, chunks())
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
+        if stamps.ON:
+            for _, reply in pairs:
+                stamps.stamp(reply.job.request.request_id, "h_answer")
         return FastJSONResponse(payloads if as_list else payloads[0])
 
     # A plain Starlette route, not FastAPI's: the endpoint reads its own body, and FastAPI's parameter

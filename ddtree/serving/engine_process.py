@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.serving import stamps
 from ddtree.serving.metrics import ServerMetrics
 from ddtree.serving.scheduler import Event, Failure, Scheduler, Sink
 
@@ -299,6 +300,9 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     logging.getLogger().setLevel(log_level.upper())
+    if stamps.ON:
+        stamps.reset()  # the HTTP process's, inherited
+        stamps.set_role("engine")
     relay = Relay(events)
     try:
         engine, context_length = load()
@@ -326,6 +330,8 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
             kind = message[0]
             if kind == "submit":
                 _, request, counted, eager = message
+                if stamps.ON:
+                    stamps.stamp(request.request_id, "e_read")
                 relay.submitted(request.request_id, eager)
                 try:
                     scheduler.submit(request, _no_sink, counted)
@@ -342,9 +348,13 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
     finally:
         scheduler.stop()
         relay.flush()
+        if stamps.ON:
+            stamps.dump()
 
 
 # -- the HTTP side --------------------------------------------------------------------------------------
+
+_seen = stamps.FirstLast("h_first_event", "h_last_event") if stamps.ON else None
 
 
 class EngineProcess:
@@ -455,6 +465,8 @@ class EngineProcess:
         if rid in self._sinks:
             raise RequestError(f"rid: {rid!r} is already in flight", field="rid")
         self._sinks[rid] = sink
+        if stamps.ON:
+            stamps.stamp(rid, "h_submit")
         try:
             self._send(("submit", request, counted, eager))
         except RequestError:
@@ -525,6 +537,8 @@ class EngineProcess:
         for item in items:
             event = _decode(item)
             rid = event.request_id
+            if _seen is not None:
+                _seen(rid, bool(getattr(event, "new_token_ids", None)), getattr(event, "finished", True))
             sink = sinks.get(rid)
             if sink is None:
                 continue  # a cancelled request's last round

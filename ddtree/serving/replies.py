@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ddtree.errors import RequestError
+from ddtree.serving import stamps
 from ddtree.serving.state import Progress, RequestStream, ServerState
 from ddtree.serving.stops import find_stop, held_back, tokens_for
 from ddtree.serving.validation import Job
@@ -95,11 +96,16 @@ def sse_response(state: ServerState, pairs: list[tuple[RequestStream, Reply]], c
                 yield chunk
         except RequestError as err:
             yield error_chunk(err)
+        if stamps.ON:
+            for stream, _ in pairs:
+                stamps.stamp(stream.progress.request.request_id, "h_done")
         yield SSE_DONE
 
     def close() -> None:
         for stream, _ in pairs:
             state.cancel(stream)
+            if stamps.ON:
+                stamps.stamp(stream.progress.request.request_id, "h_closed")
 
     return EventStream(guarded(), close)
 

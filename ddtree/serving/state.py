@@ -23,6 +23,7 @@ from ddtree import __version__
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
+from ddtree.serving import stamps
 from ddtree.serving.args import ServerArgs
 from ddtree.serving.engine_process import EngineInfo, EngineProcess
 from ddtree.serving.metrics import ServerMetrics
@@ -339,6 +340,8 @@ def open_scheduler(engine: EngineLike, context_length: int, metrics: Recorder, d
     """The batch the server serves and the Scheduler that runs it (in this process, or in the engine process)."""
     # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
     batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+    if stamps.ON:  # python -m ddtree.bench.timeline: each request's prefill, last round and hand-out
+        batch, deliver = stamps.StampedBatch(batch), stamps.stamped_deliver(deliver)
     warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
     # A shorter GIL switch interval pays where a round waits on the GPU with the GIL released; on the
     # CPU the round itself needs the GIL, and forced switches slowed the smoke sweep's cells by ~25%.
