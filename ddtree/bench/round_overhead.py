@@ -8,10 +8,20 @@ The same requests (greedy, ignore_eos, all joining at once) run on one batch thr
 "served" is the engine process's Scheduler with its Relay writing every event into a file (no HTTP, no
 text, no reader to wait for): round N's outputs are handed out while round N + 1 runs on the device;
 "served, no overlap" is the same with the batch seen as step() only (each round's outputs handed out
-before the next is launched). Per mode: the mean period between two round launches (what a token costs
-a request), the mean round (launch to outputs: step()'s time, the quantity the server's
-ddtree_decode_round_seconds sums), and the period's excess over in process. Medians of `--repeats`.
+before the next is launched); "served, to a pipe" is "served" with the Relay writing into a pipe that
+another process reads and decodes as it fills (the HTTP process's hop, without HTTP). Per mode: the mean
+period between two round launches (what a token costs a request), the mean round (launch to outputs:
+step()'s time, the quantity the server's ddtree_decode_round_seconds sums), and the period's excess over in process. Medians of `--repeats`.
 Outputs must be the same in every mode (exit status 1 otherwise).
+
+`--burst`: instead, `--rows` requests arrive one every `--spacing-ms` (as the engine process's reader
+queues a burst of HTTP arrivals) at an idle served Scheduler, once per `--holds` GAP:WAIT (its burst_gap_s
+and burst_wait_s in ms; 0:0 admits whatever is queued at every look), in turns with "in process" (all
+prefilled at once): the prefill groups and their ms, TTFT (submit to first token handed out) median and
+p90, the last first token and the last finish after the first submit.
+
+    python -m ddtree.bench.round_overhead --device cuda --configs b8-k4-w2048-bs8 --rows 32 --burst \
+        --spacing-ms 0.15 0.3 --holds 0:0 1:4
 
 `--engine zero`: a batch of no device and no model (each round makes one token per row and nothing else),
 so a period is the loop's own Python: the scheduler's per-round cost at `--rows` rows on this CPU.
@@ -21,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,10 +44,10 @@ from typing import Any
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError
 from ddtree.serving.engine_process import Relay, freeze_heap
-from ddtree.serving.scheduler import SWITCH_INTERVAL_S, Scheduler
+from ddtree.serving.scheduler import BURST_GAP_S, BURST_WAIT_S, SWITCH_INTERVAL_S, Scheduler
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
-MODES = ("in process", "served", "served, no overlap")
+MODES = ("in process", "served", "served, no overlap", "served, to a pipe")
 
 
 class ZeroBatch:
@@ -55,6 +68,9 @@ class ZeroBatch:
 
     def add(self, request: Request) -> list[StepOutput]:
         return self.add_many([request])
+
+    def validate(self, request: Request) -> None:
+        """Every request fits (DecodeBatch.validate's place: the scheduler then prefills arrivals together)."""
 
     def add_many(self, requests: list[Request]) -> list[StepOutput]:
         for r in requests:
@@ -157,13 +173,45 @@ def in_process(batch: Any, requests: list[Request]) -> dict[str, list[int]]:
         outputs = batch.step()
 
 
-def served(batch: Any, requests: list[Request], on_gpu: bool) -> dict[str, list[int]]:
-    """Through a Scheduler whose Relay writes its frames into a file; the tokens each request got, read back
-    from the frames (what the HTTP process would decode)."""
-    from ddtree.serving.engine_process import FrameReader
+def frame_tokens(frames: list[Any], out: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each request's tokens in the Relay's "events" frames (what the HTTP process would decode), into `out`."""
+    for message in frames:
+        for item in message[1]:
+            if len(item) > 4:
+                out.setdefault(item[0], []).extend(item[1])
+    return out
 
-    with tempfile.TemporaryFile() as sent:  # a file, not a pipe: a write never waits for a reader
-        relay = Relay(sent.fileno())
+
+# The HTTP process's part in "served, to a pipe": a process that reads the events pipe as it fills (woken by
+# every frame, as the server's event loop is), decodes every frame and prints the tokens at the pipe's end.
+PIPE_READER = """
+import json, os, sys
+from ddtree.bench.round_overhead import frame_tokens
+from ddtree.serving.engine_process import FrameReader
+reader, out = FrameReader(), {}
+print("ready", flush=True)
+while data := os.read(0, 1 << 20):
+    frame_tokens(reader.feed(data), out)
+print(json.dumps(out), flush=True)
+"""
+
+
+def served(batch: Any, requests: list[Request], on_gpu: bool, to_pipe: bool = False) -> dict[str, list[int]]:
+    """Through a Scheduler whose Relay writes its frames into a file (a write never waits for a reader) or,
+    `to_pipe`, into a pipe read by another process; the tokens each request got, read back from the frames."""
+    from ddtree.serving.engine_process import FrameReader, _pipe
+
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    with tempfile.TemporaryFile() as sent:
+        reader = None
+        fd = sent.fileno()
+        if to_pipe:
+            read_end, fd = _pipe()
+            reader = subprocess.Popen([sys.executable, "-c", PIPE_READER], stdin=read_end, stdout=subprocess.PIPE,
+                                      text=True)
+            os.close(read_end)
+            assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+        relay = Relay(fd)
         sched = Scheduler(batch, len(requests), relay.metrics, deliver=relay.deliver,
                           switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None)
         relay.scheduler = sched
@@ -175,14 +223,134 @@ def served(batch: Any, requests: list[Request], on_gpu: bool) -> dict[str, list[
             time.sleep(0.02)
         sched.stop()
         relay.flush()
+        if reader is not None:
+            os.close(fd)
+            text, _ = reader.communicate(timeout=60)
+            for rid, tokens in json.loads(text).items():
+                out[rid].extend(tokens)
+            return out
         sent.seek(0)
-        frames = FrameReader().feed(sent.read())
-    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for message in frames:
-        for item in message[1]:
-            if len(item) > 4:
-                out[item[0]].extend(item[1])
-    return out
+        return frame_tokens(FrameReader().feed(sent.read()), out)
+
+
+def burst(batch: Any, requests: list[Request], spacing_s: float, gap_s: float, wait_s: float,
+          on_gpu: bool) -> dict[str, Any]:
+    """`requests` submitted to a served Scheduler one every `spacing_s` (as the engine process's reader queues
+    a burst of HTTP arrivals), the scheduler gathering bursts with (gap_s, wait_s): how they were admitted
+    (each prefill group's size and seconds), each request's TTFT (submit to first token handed out), the
+    time from the first submit to the last first token and to the last finish, and the tokens."""
+    from ddtree.serving.engine_process import FrameReader
+
+    groups: list[tuple[float, int, float]] = []  # (start, requests, seconds) per prefill
+    add_many = batch.add_many
+
+    def timed_add_many(reqs: list[Request]) -> list[StepOutput]:
+        started = time.perf_counter()
+        outputs = add_many(reqs)  # ends with the prefill's one sync (its first tokens read back)
+        groups.append((started, len(reqs), time.perf_counter() - started))
+        return outputs
+
+    submitted: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    with tempfile.TemporaryFile() as sent:
+        relay = Relay(sent.fileno())
+
+        def deliver(items: list[tuple[Any, Any]]) -> None:
+            now = time.perf_counter()
+            for _, event in items:
+                rid = event.request_id
+                if rid not in first and getattr(event, "new_token_ids", None):
+                    first[rid] = now
+                if not isinstance(event, StepOutput) or event.finished:
+                    done[rid] = now
+            relay.deliver(items)
+
+        sched = Scheduler(batch, len(requests), relay.metrics, deliver=deliver,
+                          switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None, burst_gap_s=gap_s,
+                          burst_wait_s=wait_s)
+        relay.scheduler = sched
+        batch.add_many = timed_add_many
+        try:
+            sched.start()
+            time.sleep(0.02)  # the thread idle, waiting for work, as a server between bursts
+            start = time.perf_counter()
+            for i, r in enumerate(requests):
+                time.sleep(max(start + i * spacing_s - time.perf_counter(), 0.0))
+                relay.submitted(r.request_id, True)
+                submitted[r.request_id] = time.perf_counter()
+                sched.submit(r, lambda _: None)
+            while sched.in_flight:
+                time.sleep(0.005)
+            sched.stop()
+        finally:
+            del batch.add_many  # the class's own again
+        relay.flush()
+        sent.seek(0)
+        tokens = frame_tokens(FrameReader().feed(sent.read()), {r.request_id: [] for r in requests})
+    t0 = min(submitted.values())
+    ttft = [first[rid] - submitted[rid] for rid in submitted if rid in first]
+    return {"groups": [n for _, n, _ in groups], "prefill_ms": [1e3 * sec for _, _, sec in groups],
+            "ttft_ms": 1e3 * statistics.median(ttft), "p90_ttft_ms": 1e3 * _quantile(ttft, 0.9),
+            "last_first_ms": 1e3 * (max(first.values()) - t0), "span_ms": 1e3 * (max(done.values()) - t0),
+            "arrivals_ms": 1e3 * (max(submitted.values()) - t0), "tokens": tokens}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def in_process_burst(batch: Any, requests: list[Request]) -> dict[str, Any]:
+    """burst()'s numbers for the in-process loop: every request prefilled at once, then stepped to the end."""
+    start = time.perf_counter()
+    outputs = batch.add_many(requests)
+    prefilled = time.perf_counter()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while True:
+        for o in outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
+        if not batch.active:
+            break
+        outputs = batch.step()
+    end = time.perf_counter()
+    ms = 1e3 * (prefilled - start)
+    return {"groups": [len(requests)], "prefill_ms": [ms], "ttft_ms": ms, "p90_ttft_ms": ms, "last_first_ms": ms,
+            "span_ms": 1e3 * (end - start), "arrivals_ms": 0.0, "tokens": tokens}
+
+
+def run_bursts(batch: Any, device: Any, requests: list[Request], spacings_s: list[float],
+               holds: list[tuple[float, float]], repeats: int, on_gpu: bool) -> list[dict[str, Any]]:
+    """Per arrival spacing and hold (gap_s, wait_s), the medians over `repeats` of burst()'s numbers (the
+    groups of the median-span repeat), in turns with the in-process reference; tokens checked against it."""
+    on_a_thread(in_process, batch, requests)  # untimed: graphs captured, caches warm
+    auto = choice_state(batch)
+    cases: list[tuple[float | None, tuple[float, float] | None]] = [(None, None)]
+    cases += [(sp, hold) for sp in spacings_s for hold in holds]
+    results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cases))}
+    reference = None
+    for _ in range(repeats):
+        for i, (spacing, hold) in enumerate(cases):
+            restore_choice_state(batch, auto)
+            _sync(device)
+            if spacing is None or hold is None:
+                r = on_a_thread(in_process_burst, batch, requests)
+            else:
+                r = burst(batch, requests, spacing, hold[0], hold[1], on_gpu)
+            reference = r["tokens"] if reference is None else reference
+            r["mismatched"] = sum(1 for rid, t in r.pop("tokens").items() if t != reference[rid])
+            results[i].append(r)
+    rows = []
+    for i, (spacing, hold) in enumerate(cases):
+        reps = results[i]
+        mid = sorted(reps, key=lambda r: r["span_ms"])[len(reps) // 2]
+        row = {k: statistics.median(r[k] for r in reps) for k in ("ttft_ms", "p90_ttft_ms", "last_first_ms", "span_ms", "arrivals_ms")}
+        row.update(mode="in process" if spacing is None else "served", spacing_ms=None if spacing is None else 1e3 * spacing,
+                   gap_ms=None if hold is None else 1e3 * hold[0], wait_ms=None if hold is None else 1e3 * hold[1],
+                   groups=mid["groups"], prefill_ms=[round(x, 2) for x in mid["prefill_ms"]],
+                   mismatched=sum(r["mismatched"] for r in reps))
+        rows.append(row)
+    return rows
 
 
 # One thread for the loops timed in process, kept across calls (ddtree.bench.http_vs_engine uses it too)
@@ -228,7 +396,8 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
             if mode == "in process":
                 tokens = on_a_thread(in_process, batch, requests)
             else:
-                tokens = served(batch if mode == "served" else StepOnly(batch), requests, on_gpu)
+                tokens = served(StepOnly(batch) if mode == "served, no overlap" else batch, requests, on_gpu,
+                                to_pipe=mode == "served, to a pipe")
             _sync(device)
             results[mode].append(clock.summary())
             reference = tokens if reference is None else reference
@@ -254,7 +423,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--burst", action="store_true",
+                   help="instead: `--rows` requests arriving one every --spacing-ms, gathered per --holds")
+    p.add_argument("--spacing-ms", nargs="+", type=float, default=[0.3], help="burst: between two arrivals")
+    p.add_argument("--holds", nargs="+", default=["0:0", f"{1e3 * BURST_GAP_S:g}:{1e3 * BURST_WAIT_S:g}"],
+                   metavar="GAP:WAIT", help="burst: the scheduler's burst_gap_s and burst_wait_s, in ms (0:0: none)")
     return p
+
+
+def parse_hold(text: str) -> tuple[float, float]:
+    try:
+        gap, wait = (float(x) / 1e3 for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--holds: {text!r} is not GAP:WAIT in ms (e.g. 1:4)") from None
+    if gap < 0 or wait < 0:
+        raise ConfigError(f"--holds: {text!r} out of range (allowed >= 0)")
+    return gap, wait
+
+
+def print_bursts(config_id: str, rows: int, results: list[dict[str, Any]]) -> None:
+    for r in results:
+        how = "at once" if r["mode"] == "in process" else f"{r['spacing_ms']:g} ms, {r['gap_ms']:g}:{r['wait_ms']:g}"
+        print(f"{config_id:20} {rows:4} {r['mode']:10} {how:18} {r['arrivals_ms']:8.2f} {r['ttft_ms']:8.2f} "
+              f"{r['p90_ttft_ms']:8.2f} {r['last_first_ms']:9.2f} {r['span_ms']:8.1f}  {r['groups']} {r['prefill_ms']}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,9 +468,21 @@ def main(argv: list[str] | None = None) -> int:
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
         device, codec = engine.device, load_tokenizer(args.target)
+    try:
+        holds = [parse_hold(h) for h in args.holds]
+    except ConfigError as err:
+        print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
+        return 2
+    if any(sp < 0 for sp in args.spacing_ms):
+        print("python -m ddtree.bench.round_overhead: error: --spacing-ms out of range (allowed >= 0)", file=sys.stderr)
+        return 2
     on_gpu = getattr(device, "type", None) == "cuda"
     freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
-    print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
+    if args.burst:
+        print(f"{'config':20} {'rows':>4} {'mode':10} {'spacing, gap:wait':18} {'arrivals':>8} {'TTFT ms':>8} {'p90':>8} "
+              f"{'last 1st':>9} {'span ms':>8}  groups, prefill ms")
+    else:
+        print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
     failed = []
     for config_id in (args.configs if engine is not None else ["zero"]):
         for rows in args.rows:
@@ -297,6 +501,13 @@ def main(argv: list[str] | None = None) -> int:
                 batch = engine.open_batch(spec, rows, args.context + args.max_new_tokens + spec.max_nodes)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+            if args.burst:
+                results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds,
+                                     args.repeats, on_gpu)
+                print_bursts(config_id, rows, results)
+                if any(r["mismatched"] for r in results):
+                    failed.append(f"{config_id} rows {rows}")
+                continue
             row = run_config(batch, device, requests, args.repeats, on_gpu)
             for mode in MODES:
                 m = row[mode]

@@ -1,6 +1,7 @@
 """The batching thread: it alone owns the DecodeBatch; requests join between rounds and leave when done.
 
-Continuous batching in one loop: admit waiting requests (FIFO) into free slots, apply
+Continuous batching in one loop: admit waiting requests (FIFO) into free slots (a burst of arrivals
+is held until it has arrived, so it is prefilled as one group: see BURST_GAP_S), apply
 cancellations, run one round for everything running, then hand what that iteration produced
 (every request's StepOutput or Failure) to `deliver` in ONE call: the server turns it into one
 `loop.call_soon_threadsafe` per round, not one per request (each is a wake-up of the event loop
@@ -44,6 +45,13 @@ log = logging.getLogger("ddtree.server")
 SWITCH_INTERVAL_S = 0.0005
 WARM_PREFILL_WIDTHS = (64, 128, 256, 512, 1024, 2048, 4096)  # lone prompts a graphed batch replays a prefill for
 WARM_NEW_TOKENS = 40  # tokens per warm-up request: >= 3 rounds at block 16 (budget auto captures from its second)
+# A burst of arrivals (each within BURST_GAP_S of the one before) is held back from admission until it stops
+# (BURST_GAP_S with no arrival), fills one prefill forward (the batch's prefill_tokens), or its oldest has waited
+# BURST_WAIT_S: then it is prefilled as one group, not as several, each a prefill of its own with decode rounds
+# in between. An arrival with none in the BURST_GAP_S before it (a lone request: every one at concurrency 1)
+# is never held. Rows already running keep running their rounds meanwhile.
+BURST_GAP_S = 0.001
+BURST_WAIT_S = 0.004
 
 
 class DecodeBatchLike(Protocol):
@@ -104,6 +112,8 @@ class _Ticket:
     sink: Sink
     counted: bool = True  # False for the server's own warm-up and health probes: kept out of metrics
     verify_steps: int = 0  # last cumulative count seen, to turn it into per-round deltas
+    arrived: float = 0.0  # time.perf_counter() at submit
+    in_burst: bool = False  # it arrived within burst_gap_s of the arrival before it
 
 
 def abort_output(request_id: str, verify_steps: int) -> StepOutput:
@@ -117,15 +127,21 @@ class Scheduler:
         self, batch: DecodeBatchLike, max_running: int, metrics: Recorder | None = None,
         deliver: Deliver = deliver_inline, warm_token: int | None = None,
         switch_interval_s: float | None = SWITCH_INTERVAL_S,
+        burst_gap_s: float = BURST_GAP_S, burst_wait_s: float = BURST_WAIT_S,
     ) -> None:
         """warm_token: a token id the warm-up generations may use (None: no warm-up); switch_interval_s:
-        None leaves the process's GIL switch interval alone."""
+        None leaves the process's GIL switch interval alone; burst_gap_s, burst_wait_s: how a burst of
+        arrivals is gathered into one prefill (BURST_GAP_S; 0 admits whatever is queued at every look)."""
+        if burst_gap_s < 0 or burst_wait_s < 0:
+            raise ValueError(f"burst_gap_s, burst_wait_s: {burst_gap_s}, {burst_wait_s} out of range (allowed >= 0)")
         self.batch = batch
         self.max_running = max_running
         self.metrics: Recorder = metrics or ServerMetrics()
         self.deliver = deliver
         self.warm_token = warm_token
         self.switch_interval_s = switch_interval_s
+        self.burst_gap_s, self.burst_wait_s = burst_gap_s, burst_wait_s
+        self._last_arrival = -float("inf")  # time.perf_counter() of the latest submit (guarded by _cond)
         self._cond = threading.Condition()
         self._pending: collections.deque[_Ticket] = collections.deque()
         self._running: dict[str, _Ticket] = {}
@@ -160,14 +176,29 @@ class Scheduler:
     def submit(self, request: Request, sink: Sink, counted: bool = True, eager: bool = True) -> None:
         """Queue `request`; its events go to `sink`. eager: whether its consumer wants every round (a stream)
         or only the end; the engine process's relay holds lazy requests' rounds longer."""
+        error = self.submit_many([(request, sink, counted)])[0]
+        if error is not None:
+            raise error
+
+    def submit_many(self, arrivals: list[tuple[Request, Sink, bool]]) -> list[RequestError | None]:
+        """Queue (request, sink, counted) arrivals together (the scheduler looks at them all or at none);
+        per arrival None, or the RequestError that refused it."""
+        errors: list[RequestError | None] = []
         with self._cond:
-            if self._stop:
-                raise RequestError("server is shutting down", status_code=503)
-            if request.request_id in self._known:
-                raise RequestError(f"rid: {request.request_id!r} is already in flight", field="rid")
-            self._known.add(request.request_id)
-            self._pending.append(_Ticket(request, sink, counted))
+            now = time.perf_counter()
+            for request, sink, counted in arrivals:
+                if self._stop:
+                    errors.append(RequestError("server is shutting down", status_code=503))
+                elif request.request_id in self._known:
+                    errors.append(RequestError(f"rid: {request.request_id!r} is already in flight", field="rid"))
+                else:
+                    self._known.add(request.request_id)
+                    self._pending.append(_Ticket(request, sink, counted, arrived=now,
+                                                 in_burst=now - self._last_arrival < self.burst_gap_s))
+                    self._last_arrival = now
+                    errors.append(None)
             self._cond.notify_all()
+        return errors
 
     def cancel(self, request_id: str) -> None:
         """Abort a queued or running request; its sink gets finish_reason "abort". No-op if done."""
@@ -223,14 +254,17 @@ class Scheduler:
         load = None
         while True:
             with cond:
-                while not (self._stop or pending or self._cancels or self._running or held):
-                    cond.wait()
+                while True:
+                    hold = self._burst_hold(time.perf_counter()) if pending else 0.0
+                    if self._stop or self._cancels or held or self._running or (pending and not hold):
+                        break  # with a burst held, the rows' rounds still run while it gathers
+                    cond.wait(hold or None)
                 if self._stop:
                     break
                 cancels = admit = None
                 if self._cancels:
                     cancels, self._cancels = self._cancels, set()
-                if pending:
+                if pending and not hold:
                     room = min(batch.free_slots, self.max_running - len(self._running))
                     admit = [pending.popleft() for _ in range(min(room, len(pending)))]
             if held is not None and (cancels or admit):
@@ -275,6 +309,27 @@ class Scheduler:
         for ticket in left:
             self._finish(ticket, abort_output(ticket.request.request_id, 0))
         self._flush()
+
+    def _burst_hold(self, now: float) -> float:
+        """How much longer the queued arrivals wait for the rest of their burst (0: admit them now); under _cond.
+
+        Held only while all of these hold: the oldest came within burst_gap_s of an arrival before it, the
+        latest came less than burst_gap_s ago, the oldest has waited less than burst_wait_s, and what may join
+        now (the free room's worth) fits in one prefill forward with room to spare."""
+        pending = self._pending
+        first = pending[0]
+        if not first.in_burst:
+            return 0.0
+        left = min(self._last_arrival + self.burst_gap_s, first.arrived + self.burst_wait_s) - now
+        if left <= 0:
+            return 0.0
+        room = min(self.batch.free_slots, self.max_running - len(self._running))
+        if len(pending) >= room:
+            return 0.0  # nothing more could join this prefill
+        forward = getattr(self.batch, "prefill_tokens", None)
+        if forward is not None and len(pending) * max(len(t.request.prompt_ids) for t in pending) >= forward:
+            return 0.0  # a full forward's worth: waiting saves no forward
+        return left
 
     def _flush(self) -> None:
         if self._outbox:

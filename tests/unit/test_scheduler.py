@@ -153,7 +153,7 @@ def test_a_cancel_gets_the_rounds_before_it_then_abort_and_leaves_the_batch() ->
 def test_an_arrival_joins_after_the_rounds_before_it_are_handed_out() -> None:
     batch = SplitBatch()
     events = Events(["a", "late"], batch.log)
-    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None, burst_gap_s=0)  # no burst held back
     batch.on_collect = lambda k: sched.submit(Request("late", [7, 8, 9], 2, ignore_eos=True),
                                               events.sink("late")) if k == 0 else None
     run(sched, events, [Request("a", [1, 2], 4, ignore_eos=True)])

@@ -1,0 +1,139 @@
+"""How the scheduler admits a burst of arrivals: held while the burst arrives, then prefilled as one group, in
+arrival order; a lone arrival is admitted at once, however long the hold's bounds."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from ddtree.bench import http_vs_engine as hve
+from ddtree.config import SpecConfig
+from ddtree.engine import Request, StepOutput
+from ddtree.serving.scheduler import Scheduler
+from tests.unit.test_scheduler import Events
+
+EMU = SpecConfig.from_id("ar")
+
+
+class GroupBatch(hve.EmulatedBatch):
+    """An emulated batch (rounds of `round_s`, free prefills) that logs the request ids of every prefill."""
+
+    def __init__(self, round_s: float, max_batch: int = 32) -> None:
+        super().__init__(EMU, max_batch, 512, round_s=round_s, prefill_s=0.0, tokens_per_round=1)
+        self.groups: list[list[str]] = []
+
+    def add_many(self, requests: Any) -> list[StepOutput]:
+        self.groups.append([r.request_id for r in requests])
+        return super().add_many(requests)
+
+
+def request(rid: str, length: int = 4, new: int = 6) -> Request:
+    return Request(rid, list(range(1, length + 1)), new, ignore_eos=True)
+
+
+def arrive(sched: Scheduler, events: Events, rids: list[str], spacing_s: float) -> None:
+    for rid in rids:
+        sched.submit(request(rid), events.sink(rid))
+        time.sleep(spacing_s)
+
+
+@pytest.mark.parametrize("gap_s", [0.3, 0.0])
+def test_a_burst_arriving_between_rounds_is_prefilled_as_one_group_in_arrival_order(gap_s: float) -> None:
+    """16 arrivals 1 ms apart while rounds of 4 ms run: held, they join in one prefill (the first, alone before
+    them, with whatever came with it); with the hold off (gap 0) each round's look admits what has come."""
+    batch = GroupBatch(round_s=0.004)
+    rids = [f"r{i}" for i in range(16)]
+    events = Events(rids)
+    sched = Scheduler(batch, max_running=32, switch_interval_s=None, burst_gap_s=gap_s, burst_wait_s=5.0)
+    sched.start()
+    try:
+        arrive(sched, events, rids, 0.001)
+        assert events.done.wait(30)
+    finally:
+        sched.stop()
+    assert [rid for group in batch.groups for rid in group] == rids  # first come, first prefilled
+    assert all(events.tokens(rid) == [1, 2, 3, 4, 1, 2] for rid in rids)
+    if gap_s:
+        assert len(batch.groups) <= 2, batch.groups
+    else:
+        assert len(batch.groups) >= 3, batch.groups  # what the hold is for: the same arrivals, in pieces
+
+
+def test_a_lone_arrival_is_admitted_at_once() -> None:
+    """Bounds of a minute: a held lone request would not finish within the test's 10 s."""
+    batch = GroupBatch(round_s=0.0)
+    events = Events(["a"])
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None, burst_gap_s=60.0, burst_wait_s=60.0)
+    sched.start()
+    try:
+        sched.submit(request("a"), events.sink("a"))
+        assert events.done.wait(10), "a lone request was held back"
+    finally:
+        sched.stop()
+    assert batch.groups == [["a"]]
+
+
+def queued(sched: Scheduler, arrivals: list[tuple[str, float]], before: float, length: int) -> None:
+    """Queue requests as if they arrived at these perf_counter times, the arrival before them at `before`
+    (the scheduler's thread not started)."""
+    prev = before
+    for rid, at in arrivals:
+        sched.submit(request(rid, length), lambda _: None)
+        ticket = sched._pending[-1]
+        ticket.in_burst = at - prev < sched.burst_gap_s
+        ticket.arrived = prev = at
+    sched._last_arrival = prev
+
+
+def hold_of(arrivals: list[tuple[str, float]], now: float, before: float = -float("inf"), running: int = 0,
+            max_running: int = 16, gap_s: float = 0.001, wait_s: float = 0.004, length: int = 4,
+            prefill_tokens: int | None = None) -> float:
+    """_burst_hold at `now` for these arrivals on a batch of 16 free slots (`running` rows counted as running)."""
+    batch = GroupBatch(round_s=0.0, max_batch=16)
+    if prefill_tokens is not None:
+        batch.prefill_tokens = prefill_tokens  # type: ignore[attr-defined]  # DecodeBatch's bound on a forward
+    sched = Scheduler(batch, max_running=max_running, switch_interval_s=None, burst_gap_s=gap_s, burst_wait_s=wait_s)
+    for i in range(running):
+        sched._running[f"run{i}"] = None  # type: ignore[assignment]
+    queued(sched, arrivals, before, length)
+    return sched._burst_hold(now)
+
+
+def test_the_hold_lasts_while_the_burst_arrives_and_within_its_bounds() -> None:
+    t = 100.0
+    # a lone arrival (none in the gap before it): never held, even with more right behind it
+    assert hold_of([("a", t), ("b", t + 0.0002)], now=t + 0.0003) == 0
+    # the second of a burst, first in the queue: held until the gap after the latest passes...
+    burst = [("b", t + 0.0005), ("c", t + 0.0008)]
+    assert hold_of(burst, before=t, now=t + 0.0009) == pytest.approx(0.0009, abs=1e-9)
+    assert hold_of(burst, before=t, now=t + 0.0018) == 0  # 1 ms without an arrival: the burst is over
+    # ... and never past wait_s after the oldest held one, however the burst goes on
+    steady = [(f"r{i}", t + 0.0005 * i) for i in range(1, 12)]
+    assert hold_of(steady[:8], before=t, now=t + 0.0041) == pytest.approx(0.0004, abs=1e-9)
+    assert hold_of(steady[:9], before=t, now=t + 0.0046) == 0
+    # the queue holds as many as may join now (8 running at most, 2 running): waiting gains nothing
+    assert hold_of(steady[:6], before=t, now=t + 0.0031, running=2, max_running=8) == 0
+    assert hold_of(steady[:5], before=t, now=t + 0.0026, running=2, max_running=8) == pytest.approx(0.0009, abs=1e-9)
+    # gap 0: no hold at all
+    assert hold_of(steady[:3], before=t, now=t + 0.0016, gap_s=0.0) == 0
+
+
+def test_the_hold_ends_once_the_queue_fills_a_prefill_forward() -> None:
+    t = 100.0
+    burst = [(f"r{i}", t + 0.0002 * i) for i in range(1, 6)]
+    # 3 x 100 padded tokens: room left in a forward of 400; 4 x 100: a full one
+    assert hold_of(burst[:3], before=t, now=t + 0.0007, length=100, prefill_tokens=400) == pytest.approx(0.0009, abs=1e-9)
+    assert hold_of(burst[:4], before=t, now=t + 0.0009, length=100, prefill_tokens=400) == 0
+
+
+def test_submit_many_queues_together_and_refuses_each_bad_one_alone() -> None:
+    batch = GroupBatch(round_s=0.0)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    sched.submit(request("dup"), lambda _: None)
+    errors = sched.submit_many([(request("x"), lambda _: None, True), (request("dup"), lambda _: None, True),
+                                (request("y"), lambda _: None, False)])
+    assert errors[0] is None and errors[2] is None and errors[1] is not None and errors[1].field == "rid"
+    assert [t.request.request_id for t in sched._pending] == ["dup", "x", "y"]
+    assert [t.in_burst for t in sched._pending] == [False, True, True]  # one read's arrivals: one burst
