@@ -286,9 +286,24 @@ def _no_sink(_: Event) -> None:
 
 def read_frames(fd: int) -> Iterator[Any]:
     """The messages on a blocking pipe, until its writer closes it."""
+    for messages in read_batches(fd):
+        yield from messages
+
+
+def read_batches(fd: int) -> Iterator[list[Any]]:
+    """The messages on a blocking pipe, as lists of what each read brought, until its writer closes it."""
     reader = FrameReader()
     while data := os.read(fd, 1 << 20):
-        yield from reader.feed(data)
+        if messages := reader.feed(data):
+            yield messages
+
+
+def _queue(scheduler: Scheduler, relay: Relay, arrivals: list[tuple[Request, Sink, bool]]) -> None:
+    """Submits read together, queued together: the scheduler sees all of them or none (one burst, one prefill)."""
+    if arrivals:
+        for (request, _, _), err in zip(arrivals, scheduler.submit_many(arrivals), strict=True):
+            if err is not None:
+                relay.deliver([(_no_sink, Failure(request.request_id, str(err), err.status_code, err.field))])
 
 
 def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
@@ -326,20 +341,27 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         attention=str(getattr(engine, "attention", "")), cuda_graphs=bool(getattr(engine, "cuda_graphs", False)))))
     scheduler.start()
     try:
-        for message in read_frames(requests):
-            kind = message[0]
-            if kind == "submit":
-                _, request, counted, eager = message
-                if stamps.ON:
-                    stamps.stamp(request.request_id, "e_read")
-                relay.submitted(request.request_id, eager)
-                try:
-                    scheduler.submit(request, _no_sink, counted)
-                except RequestError as err:
-                    relay.deliver([(_no_sink, Failure(request.request_id, str(err), err.status_code, err.field))])
-            elif kind == "cancel":
-                scheduler.cancel(message[1])
-            elif kind == "stop":
+        stop = False
+        for messages in read_batches(requests):
+            arrivals: list[tuple[Request, Sink, bool]] = []
+            for message in messages:
+                kind = message[0]
+                if kind == "submit":
+                    _, request, counted, eager = message
+                    if stamps.ON:
+                        stamps.stamp(request.request_id, "e_read")
+                    relay.submitted(request.request_id, eager)
+                    arrivals.append((request, _no_sink, counted))
+                    continue
+                _queue(scheduler, relay, arrivals)  # what came before a cancel or a stop, first
+                arrivals = []
+                if kind == "cancel":
+                    scheduler.cancel(message[1])
+                elif kind == "stop":
+                    stop = True
+                    break
+            _queue(scheduler, relay, arrivals)
+            if stop:
                 break
         else:
             log.warning("the HTTP process is gone; stopping the engine")

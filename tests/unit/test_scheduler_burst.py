@@ -137,3 +137,35 @@ def test_submit_many_queues_together_and_refuses_each_bad_one_alone() -> None:
     assert errors[0] is None and errors[2] is None and errors[1] is not None and errors[1].field == "rid"
     assert [t.request.request_id for t in sched._pending] == ["dup", "x", "y"]
     assert [t.in_burst for t in sched._pending] == [False, True, True]  # one read's arrivals: one burst
+
+
+def test_the_engine_process_queues_the_submits_of_one_read_together() -> None:
+    """Three submits and a cancel written at once: one read, the submits queued under one lock (one burst,
+    in order), the cancel after them."""
+    import os
+    import tempfile
+
+    from ddtree.serving import engine_process as ep
+
+    batch = GroupBatch(round_s=0.0)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    read, write = os.pipe()
+    try:
+        frames = [("submit", request(rid), True, True) for rid in ("a", "b", "c")] + [("cancel", "b")]
+        for message in frames:
+            ep.write_frame(write, message)
+        os.close(write)
+        batches = list(ep.read_batches(read))
+    finally:
+        os.close(read)
+    assert batches == [frames]
+    with tempfile.TemporaryFile() as sent:
+        relay = ep.Relay(sent.fileno())
+        ep._queue(sched, relay, [(m[1], ep._no_sink, m[2]) for m in frames[:3]])
+        ep._queue(sched, relay, [(request("a"), ep._no_sink, True)])  # already in flight: refused, on its own
+        sent.seek(0)
+        (message,) = ep.FrameReader().feed(sent.read())
+    assert [t.request.request_id for t in sched._pending] == ["a", "b", "c"]
+    assert [t.in_burst for t in sched._pending] == [False, True, True]
+    (failure,) = message[1]
+    assert failure[0] == "a" and "already in flight" in failure[1]
