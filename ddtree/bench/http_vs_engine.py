@@ -44,6 +44,7 @@ from ddtree.bench.round_overhead import on_a_thread
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, RequestError
+from ddtree.prefill import PREFILL_TOKENS, prefill_chunks
 from ddtree.service.local import LocalBackend
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -57,12 +58,18 @@ class EmulatedBatch:
     """The DecodeBatch protocol with a fixed round time: `round_s` from launch() waiting with the GIL released
     (what a graphed round's one host sync does; host work between launch and collect overlaps it, as it does
     the device's), then each row's Python bookkeeping. Tokens are a pure function of (prompt, position): row
-    i's output is its prompt read on from position len(prompt)."""
+    i's output is its prompt read on from position len(prompt).
+
+    A prefill (add_many) waits `prefill_s`; with `prefill_token_s`, it is cut into forwards as DecodeBatch
+    cuts it (ddtree.prefill.prefill_chunks, at most `prefill_tokens` padded tokens each) and each forward
+    waits `prefill_s` + its padded tokens x `prefill_token_s`: a burst prefilled in several groups then
+    costs what it does on a device, a fixed cost per forward more."""
 
     def __init__(self, spec: SpecConfig, max_batch: int, max_len: int, round_s: float, prefill_s: float,
-                 tokens_per_round: int) -> None:
+                 tokens_per_round: int, prefill_token_s: float = 0.0, prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.spec, self.max_batch, self.max_len = spec, max_batch, max_len
         self.round_s, self.prefill_s, self.tokens_per_round = round_s, prefill_s, tokens_per_round
+        self.prefill_token_s, self.prefill_tokens = prefill_token_s, prefill_tokens
         self.rows: dict[str, list[Any]] = {}  # id -> [request, output, verify steps]
         self._launched_at: float | None = None  # when the round in flight was launched
 
@@ -88,13 +95,20 @@ class EmulatedBatch:
             self.validate(request)
         if len(requests) > self.free_slots:
             raise RequestError("no free slot in the batch", field="batch", status_code=503)
-        time.sleep(self.prefill_s)
+        time.sleep(self.prefill_seconds([len(r.prompt_ids) for r in requests]))
         outputs = []
         for request in requests:
             row = [request, [], 0]
             self.rows[request.request_id] = row
             outputs.append(self._emit(row, 1, None))
         return self._retire(outputs)
+
+    def prefill_seconds(self, lengths: list[int]) -> float:
+        """What a prefill of prompts of these lengths waits."""
+        if not self.prefill_token_s:
+            return self.prefill_s
+        chunks = prefill_chunks(lengths, self.prefill_tokens, round(self.prefill_s / self.prefill_token_s))
+        return sum(self.prefill_s + len(c) * max(lengths[i] for i in c) * self.prefill_token_s for c in chunks)
 
     def step(self) -> list[StepOutput]:
         self.launch()
@@ -152,10 +166,11 @@ class EmulatedEngine:
     eos_token_id: int | None = None
     cuda_graphs: bool = False
     attention: str = "emulated"
+    prefill_token_s: float = 0.0
 
     def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None) -> EmulatedBatch:
         return EmulatedBatch(spec, max_batch, max_len or self.max_context, self.round_s, self.prefill_s,
-                             self.tokens_per_round)
+                             self.tokens_per_round, self.prefill_token_s)
 
 
 # -- in process -----------------------------------------------------------------------------------------
@@ -323,19 +338,23 @@ def serve_emulated(argv: list[str]) -> int:
     p.add_argument("--round-ms", type=float, required=True)
     p.add_argument("--prefill-ms", type=float, required=True)
     p.add_argument("--tokens-per-round", type=int, required=True)
+    p.add_argument("--prefill-token-us", type=float, default=0.0)
     ns, rest = p.parse_known_args(argv)
     args = resolve_args(rest)
     setup_logging(args.log_level)
-    engine = start_engine(partial(_emulated_engine, args, ns.round_ms, ns.prefill_ms, ns.tokens_per_round), args)
+    engine = start_engine(partial(_emulated_engine, args, ns.round_ms, ns.prefill_ms, ns.tokens_per_round,
+                                  ns.prefill_token_us), args)
     return serve(engine, args, load_tokenizer(args.model_path))
 
 
-def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_round: int) -> tuple[EmulatedEngine, int]:
+def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_round: int,
+                     prefill_token_us: float = 0.0) -> tuple[EmulatedEngine, int]:
     from ddtree.text import load_tokenizer
 
     codec = load_tokenizer(args.model_path)
     vocab = codec.vocab_size if codec is not None else 32000
-    engine = EmulatedEngine(vocab, 8192, round_ms / 1000, prefill_ms / 1000, tokens_per_round)
+    engine = EmulatedEngine(vocab, 8192, round_ms / 1000, prefill_ms / 1000, tokens_per_round,
+                            prefill_token_s=prefill_token_us / 1e6)
     return engine, args.context_length or engine.max_context
 
 
@@ -344,10 +363,11 @@ class EmulatedBackend(LocalBackend):
 
     module = "ddtree.bench.http_vs_engine"
 
-    def __init__(self, round_ms: float, prefill_ms: float, tokens_per_round: int, **kwargs: Any) -> None:
+    def __init__(self, round_ms: float, prefill_ms: float, tokens_per_round: int, prefill_token_us: float = 0.0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.emulation = ["--round-ms", str(round_ms), "--prefill-ms", str(prefill_ms),
-                          "--tokens-per-round", str(tokens_per_round)]
+                          "--tokens-per-round", str(tokens_per_round), "--prefill-token-us", str(prefill_token_us)]
 
     def command(self, spec: SpecConfig) -> list[str]:
         cmd = super().command(spec)  # [python, -m, module, server flags...]
@@ -359,7 +379,8 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
     if args.engine == "emulated":
-        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, **common)
+        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round,
+                               getattr(args, "prefill_token_us", 0.0), **common)  # timeline's args have none
     return LocalBackend(**common)
 
 
@@ -388,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
     p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill's GIL-free wait")
+    p.add_argument("--prefill-token-us", type=float, default=0.0,
+                   help="emulated: a prefill's wait per padded token; then --prefill-ms is per forward, cut as DecodeBatch cuts")
     p.add_argument("--tokens-per-round", type=int, default=1, help="emulated: tokens each row commits per round")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
@@ -409,8 +432,8 @@ def _check(args: argparse.Namespace) -> None:
     if max(args.concurrency) > args.max_running_requests:
         raise ConfigError(f"--concurrency: {max(args.concurrency)} exceeds --max-running-requests "
                           f"{args.max_running_requests}")
-    if args.round_ms < 0 or args.prefill_ms < 0:
-        raise ConfigError("--round-ms/--prefill-ms: out of range (allowed >= 0)")
+    if args.round_ms < 0 or args.prefill_ms < 0 or args.prefill_token_us < 0:
+        raise ConfigError("--round-ms/--prefill-ms/--prefill-token-us: out of range (allowed >= 0)")
     if not (args.target / "tokenizer.json").is_file():
         raise ConfigError(f"--target: {args.target} has no tokenizer.json (the prompts are tokenized with it)")
 
@@ -422,7 +445,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         codec = load_tokenizer(args.target)
         assert codec is not None  # _check
         return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
-                              args.tokens_per_round)
+                              args.tokens_per_round, prefill_token_s=getattr(args, "prefill_token_us", 0.0) / 1e6)
 
     from ddtree.bench.engine_bench import DTYPES
     from ddtree.engine import Engine

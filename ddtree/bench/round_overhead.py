@@ -414,7 +414,11 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddtree.bench.round_overhead", description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=("model", "zero"), default="model")
+    p.add_argument("--engine", choices=("model", "zero", "emulated"), default="model",
+                   help="emulated: ddtree.bench.http_vs_engine's batch (--round-ms, --prefill-ms, --prefill-token-us)")
+    p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
+    p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill forward's fixed wait")
+    p.add_argument("--prefill-token-us", type=float, default=0.0, help="emulated: a prefill's wait per padded token")
     p.add_argument("--target", type=Path, default=FIXTURES / "target")
     p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
     p.add_argument("--configs", nargs="+", default=["ar", "b8-k4-w2048-bs8", "bauto-k4-w2048-bs8"], metavar="ID")
@@ -484,11 +488,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
     failed = []
-    for config_id in (args.configs if engine is not None else ["zero"]):
+    for config_id in (args.configs if engine is not None else [args.engine]):
         for rows in args.rows:
-            if engine is None:
+            if args.engine == "zero":
                 batch: Any = ZeroBatch(rows)
                 prompts = [[1]] * rows
+            elif args.engine == "emulated":
+                from ddtree.bench.http_vs_engine import EmulatedBatch
+                from ddtree.config import SpecConfig
+
+                batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
+                                      args.round_ms / 1e3, args.prefill_ms / 1e3, 1, args.prefill_token_us / 1e6)
+                prompts = [[1 + (i + j) % 101 for j in range(args.context)] for i in range(rows)]
             else:
                 from ddtree.bench.prompts import code_prompts
                 from ddtree.config import SpecConfig

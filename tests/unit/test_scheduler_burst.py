@@ -169,3 +169,13 @@ def test_the_engine_process_queues_the_submits_of_one_read_together() -> None:
     assert [t.in_burst for t in sched._pending] == [False, True, True]
     (failure,) = message[1]
     assert failure[0] == "a" and "already in flight" in failure[1]
+
+
+def test_the_emulated_prefill_costs_a_fixed_wait_per_forward_plus_its_padded_tokens() -> None:
+    """What the burst benches' emulated batch charges: DecodeBatch's forwards (8192 padded tokens at most)."""
+    batch = hve.EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1, prefill_token_s=1e-6)
+    assert batch.prefill_seconds([1024] * 32) == pytest.approx(4 * (0.003 + 8 * 1024e-6))  # 4 forwards of 8
+    assert batch.prefill_seconds([1024] * 3) == pytest.approx(0.003 + 3 * 1024e-6)
+    assert batch.prefill_seconds([100, 1000]) == pytest.approx(0.003 + 2 * 1000e-6)  # padded to the longest
+    flat = hve.EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1)
+    assert flat.prefill_seconds([1024] * 32) == 0.003  # no per-token cost: one wait per prefill, as before
