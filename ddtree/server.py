@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.serving import stamps
-from ddtree.serving.api import install_routes
+from ddtree.serving.api import ServingApp, install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
 from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, freeze_heap
 from ddtree.serving.state import READY_LINE, EngineLike, ServerState, open_scheduler
@@ -79,7 +79,7 @@ def create_app(
             if stamps.ON:
                 stamps.dump()
 
-    app = FastAPI(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = ServingApp(title="ddtree", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ddtree = state
     install_routes(app, state)
     return app

@@ -261,6 +261,58 @@ def test_stream_chunks_are_cumulative_and_end_with_done() -> None:
     run(app, body)
 
 
+async def asgi_messages(app: FastAPI, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the app sends for one request, message by message (as uvicorn would write them)."""
+    body = json.dumps(payload).encode()
+    sent: list[dict[str, Any]] = []
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+        "server": ("ddtree", 80), "state": {},
+    }
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.mark.parametrize("path, payload", [
+    ("/generate", dict(gen([5, 6], max_new_tokens=9, ignore_eos=True), stream=True)),
+    ("/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                   "stream": True}),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 5, "stream": True}),
+])
+def test_a_stream_ends_its_body_with_done_in_one_message(path: str, payload: dict[str, Any]) -> None:
+    """[DONE] leaves with the body's end (one write: a client that stops reading there finds the response
+    complete, and keeps its connection); on /generate the last data chunk travels with it."""
+    app, _ = make_app()
+
+    async def body(_: httpx.AsyncClient) -> None:
+        sent = await asgi_messages(app, path, payload)
+        bodies = [m for m in sent if m["type"] == "http.response.body"]
+        assert [m.get("more_body", False) for m in bodies] == [True] * (len(bodies) - 1) + [False]
+        last = bodies[-1]["body"]
+        assert last.endswith(b"data: [DONE]\n\n") and last.count(b"[DONE]") == 1
+        assert b"".join(m["body"] for m in bodies).count(b"[DONE]") == 1
+        if path == "/generate":
+            final = json.loads(last.split(b"\n\n")[0][len(b"data: "):])
+            assert final["meta_info"]["finish_reason"]["type"] == "length"
+
+    run(app, body)
+
+
 def test_client_disconnect_mid_stream_cancels_the_request() -> None:
     engine = FakeEngine()
     engine.step_delay = 0.01
