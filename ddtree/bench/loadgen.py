@@ -188,6 +188,10 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
                         record.ok = True
                         if record.stamps:
                             record.stamps["c_done"] = time.monotonic_ns()
+                        # read the body to its end, so that the connection is reused (aiohttp closes one whose
+                        # response is unfinished); a server that ends its body with [DONE] has nothing left to send
+                        while await response.content.readany():
+                            pass
                         return
                     chunk = orjson.loads(payload)
                     if "error" in chunk:

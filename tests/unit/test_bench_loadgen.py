@@ -25,6 +25,7 @@ FAIL_TOKEN = 666  # a prompt starting with it gets HTTP 500
 HANG_TOKEN = 777  # a prompt starting with it never answers
 SPLIT_TOKEN = 888  # a prompt starting with it gets each event in two writes, split inside its JSON
 CUT_TOKEN = 999  # a prompt starting with it gets a stream that ends without [DONE]
+LATE_END_TOKEN = 555  # a prompt starting with it gets a stream whose body ends well after its [DONE]
 TOKENS_PER_CHUNK = 3  # like speculative decoding: several tokens per streamed chunk
 STEP_S = 0.01
 
@@ -34,6 +35,7 @@ class FakeState:
         self.in_flight = 0
         self.max_in_flight = 0
         self.seen: list[dict[str, Any]] = []
+        self.client_ports: list[int] = []  # one per request: the connection it came over
         self.lock = threading.Lock()
 
 
@@ -52,6 +54,7 @@ def make_app(state: FakeState) -> FastAPI:
     async def generate(request: Request) -> Any:
         body = await request.json()
         state.seen.append(body)
+        state.client_ports.append(request.scope["client"][1])
         prompt = body["input_ids"]
         max_new = body["sampling_params"]["max_new_tokens"]
         if prompt[0] == FAIL_TOKEN:
@@ -92,6 +95,8 @@ def make_app(state: FakeState) -> FastAPI:
                     yield event[25:] if prompt[0] == SPLIT_TOKEN else event
                 if prompt[0] != CUT_TOKEN:
                     yield "data: [DONE]\n\n"
+                if prompt[0] == LATE_END_TOKEN:
+                    await asyncio.sleep(STEP_S)  # the chunked body's terminator a while after [DONE]
             finally:
                 leave()
 
@@ -129,6 +134,7 @@ def server(fake_server: tuple[str, FakeState]) -> tuple[str, FakeState]:
     url, state = fake_server
     state.max_in_flight = 0
     state.seen.clear()
+    state.client_ports.clear()
     return url, state
 
 
@@ -204,6 +210,15 @@ def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, Fak
     assert len(split.itl_s) == 2 and split.spec_verify_ct == 3 and split.finish_reason == "length"
     assert not cut.ok and cut.error == "stream ended without 'data: [DONE]'"
     assert cut.completion_tokens == 7  # what arrived before the cut is still counted
+
+
+def test_a_stream_read_to_its_end_keeps_the_connection(server: tuple[str, FakeState]) -> None:
+    """The client reads past [DONE] to the body's end, so the next request reuses the connection (aiohttp
+    closes one whose response is unfinished)."""
+    url, state = server
+    records = run_load(url, [[LATE_END_TOKEN, i] for i in range(4)], concurrency=1, max_new_tokens=3, timeout_s=20)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert len(state.client_ports) == 4 and len(set(state.client_ports)) == 1, state.client_ports
 
 
 def test_connection_error_is_recorded() -> None:
