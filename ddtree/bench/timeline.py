@@ -180,14 +180,16 @@ def _check(args: argparse.Namespace) -> None:
 def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], folder: Path,
                log: Any = print) -> dict[str, Any]:
     """One server for `spec`, stamping into `folder`: {mode: {"table", "problems", "rows"}} and the server's facts."""
-    from ddtree.bench.http_vs_engine import _backend
+    from ddtree.bench import http_vs_engine
     from ddtree.service.readiness import wait_ready
 
     stamp_dir = folder / f"stamps-{spec.id}"
     stamp_dir.mkdir(parents=True, exist_ok=True)
     for old in stamp_dir.glob("*.tsv"):
         old.unlink()
-    backend = _backend(args, folder)
+    # the server is started as the HTTP bench starts it; what this parser lacks of its flags keeps the default
+    settings = argparse.Namespace(**{**vars(http_vs_engine.build_parser().parse_args([])), **vars(args)})
+    backend = http_vs_engine._backend(settings, folder)
     backend.env[stamps.ENV] = str(stamp_dir)
     warm, timed = prompts[:args.warmup], prompts[args.warmup:]
     records: dict[str, list[RequestRecord]] = {}
