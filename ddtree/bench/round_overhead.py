@@ -23,6 +23,10 @@ p90, the last first token and the last finish after the first submit.
     python -m ddtree.bench.round_overhead --device cuda --configs b8-k4-w2048-bs8 --rows 32 --burst \
         --spacing-ms 0.15 0.3 --holds 0:0 1:4
 
+`--prefill-costs`: instead, one prefill of k prompts for every k in `--rows` (on one batch of the most
+rows), once per `--prefill-tokens` bound on a forward's padded tokens: ms and forwards, what the burst
+hold weighs (a fixed cost per forward against the tokens').
+
 `--engine zero`: a batch of no device and no model (each round makes one token per row and nothing else),
 so a period is the loop's own Python: the scheduler's per-round cost at `--rows` rows on this CPU.
 """
@@ -353,6 +357,32 @@ def run_bursts(batch: Any, device: Any, requests: list[Request], spacings_s: lis
     return rows
 
 
+def prefill_costs(batch: Any, device: Any, prompts: list[list[int]], sizes: list[int], bounds: list[int],
+                  repeats: int) -> list[dict[str, Any]]:
+    """What one prefill (add_many) of k of `prompts` takes, for k in `sizes`, with the batch's bound on a
+    forward's padded tokens set to each of `bounds` (DecodeBatch.prefill_tokens): median ms of `repeats`
+    (after one untimed), and the forwards it was cut into. The batch is emptied after each."""
+    from ddtree.prefill import prefill_chunks
+
+    rows = []
+    for bound in bounds:
+        for k in sizes:
+            requests = [Request(f"p{i}", list(prompts[i % len(prompts)]), 1, ignore_eos=True) for i in range(k)]
+            batch.prefill_tokens = bound
+            times = []
+            for rep in range(repeats + 1):
+                _sync(device)
+                started = time.perf_counter()
+                batch.add_many(requests)  # its first tokens read back: the one sync
+                if rep:
+                    times.append(time.perf_counter() - started)
+                batch.clear()
+            forwards = len(prefill_chunks([len(r.prompt_ids) for r in requests], bound, batch.forward_cost))
+            rows.append({"prefill_tokens": bound, "requests": k, "forwards": forwards,
+                         "ms": 1e3 * statistics.median(times)})
+    return rows
+
+
 # One thread for the loops timed in process, kept across calls (ddtree.bench.http_vs_engine uses it too)
 _ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
 
@@ -427,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--prefill-costs", action="store_true",
+                   help="instead: one prefill of k prompts for k in --rows, per --prefill-tokens bound (model only)")
+    p.add_argument("--prefill-tokens", nargs="+", type=int, default=[8192], help="prefill costs: padded tokens a forward")
     p.add_argument("--burst", action="store_true",
                    help="instead: `--rows` requests arriving one every --spacing-ms, gathered per --holds")
     p.add_argument("--spacing-ms", nargs="+", type=float, default=[0.3], help="burst: between two arrivals")
@@ -482,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     on_gpu = getattr(device, "type", None) == "cuda"
     freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
-    if args.burst:
+    if args.prefill_costs:
+        pass  # one line per prefill
+    elif args.burst:
         print(f"{'config':20} {'rows':>4} {'mode':10} {'spacing, gap:wait':18} {'arrivals':>8} {'TTFT ms':>8} {'p90':>8} "
               f"{'last 1st':>9} {'span ms':>8}  groups, prefill ms")
     else:
@@ -490,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for config_id in (args.configs if engine is not None else [args.engine]):
         for rows in args.rows:
+            if args.prefill_costs and rows != max(args.rows):
+                continue  # one batch of the most rows: every size is prefilled on it
             if args.engine == "zero":
                 batch: Any = ZeroBatch(rows)
                 prompts = [[1]] * rows
@@ -512,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
                 batch = engine.open_batch(spec, rows, args.context + args.max_new_tokens + spec.max_nodes)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+            if args.prefill_costs:
+                for c in on_a_thread(prefill_costs, batch, device, prompts, sorted(args.rows), args.prefill_tokens,
+                                     args.repeats):
+                    print(f"{config_id:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
+                          f"{c['prefill_tokens']:6}: {c['forwards']:2} forwards, {c['ms']:8.2f} ms", flush=True)
+                continue
             if args.burst:
                 results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds,
                                      args.repeats, on_gpu)

@@ -179,3 +179,16 @@ def test_the_emulated_prefill_costs_a_fixed_wait_per_forward_plus_its_padded_tok
     assert batch.prefill_seconds([100, 1000]) == pytest.approx(0.003 + 2 * 1000e-6)  # padded to the longest
     flat = hve.EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1)
     assert flat.prefill_seconds([1024] * 32) == 0.003  # no per-token cost: one wait per prefill, as before
+
+
+def test_the_prefill_cost_bench_times_each_size_per_bound_and_empties_the_batch() -> None:
+    from ddtree.bench import round_overhead as ro
+    from tests.unit.test_engine import make_engine, prompts
+
+    engine = make_engine()
+    batch = engine.open_batch(SpecConfig.from_id("b4-k4-w2048-bs8"), 4, 64)
+    same = [p[:3] * 7 for p in prompts(4, seed=5)]  # 21 ids each: 4 fit one forward of 4096 padded tokens, not of 16
+    rows = ro.prefill_costs(batch, None, same, [1, 4], [16, 4096], repeats=1)
+    assert [(r["prefill_tokens"], r["requests"]) for r in rows] == [(16, 1), (16, 4), (4096, 1), (4096, 4)]
+    assert [r["forwards"] for r in rows] == [1, 4, 1, 1] and all(r["ms"] > 0 for r in rows)
+    assert batch.active == 0
