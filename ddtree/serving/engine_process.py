@@ -334,6 +334,7 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         return
     relay.scheduler = scheduler
     freeze_heap()
+    scheduler.after_warm_up = freeze_heap  # and what the graph warm-up made: captured graphs live as long
     device = getattr(engine, "device", None)
     write_frame(events, ("loaded", EngineInfo(
         eos_token_id=engine.eos_token_id, max_context=engine.max_context, vocab_size=engine.vocab_size,

@@ -153,6 +153,9 @@ class Scheduler:
         self.last_round_at = time.monotonic()
         self.rounds = 0
         self.warm_seconds: float | None = None  # how long the warm-up took (None: none ran)
+        # called on the thread once the warm-up is done, before anything is admitted: the engine process
+        # freezes its heap again there, the graphs' Python objects with it (engine_process.freeze_heap)
+        self.after_warm_up: Callable[[], None] | None = None
 
     # -- called from any thread ------------------------------------------------------------------
     def start(self) -> None:
@@ -246,6 +249,8 @@ class Scheduler:
         cancel or a prefill sees what the rounds before it produced. Either way every request sees its own
         events in order, each once, and the batch runs the same rounds."""
         self._warm_up()
+        if self.after_warm_up is not None:
+            self.after_warm_up()
         batch, cond, pending = self.batch, self._cond, self._pending
         launch = getattr(batch, "launch", None)
         collect = getattr(batch, "collect", None)

@@ -192,3 +192,19 @@ def test_the_prefill_cost_bench_times_each_size_per_bound_and_empties_the_batch(
     assert [(r["prefill_tokens"], r["requests"]) for r in rows] == [(16, 1), (16, 4), (4096, 1), (4096, 4)]
     assert [r["forwards"] for r in rows] == [1, 4, 1, 1] and all(r["ms"] > 0 for r in rows)
     assert batch.active == 0
+
+
+def test_after_warm_up_runs_once_on_the_thread_before_anything_is_admitted() -> None:
+    batch = GroupBatch(round_s=0.0)
+    calls: list[int] = []
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    sched.after_warm_up = lambda: calls.append(len(batch.groups))
+    events = Events(["a", "b"])
+    for rid in ("a", "b"):  # queued before the thread starts
+        sched.submit(request(rid), events.sink(rid))
+    sched.start()
+    try:
+        assert events.done.wait(10)
+    finally:
+        sched.stop()
+    assert calls == [0] and batch.groups == [["a", "b"]]
