@@ -56,6 +56,7 @@ EAGER_FLUSH_S = 0.002
 LAZY_FLUSH_S = 0.02  # likewise when every running request is plain: only /metrics and /server_info read them
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_TIMEOUT_S = 15.0  # for the child to abort what runs and exit, before it is terminated
+ENGINE_CPUS_ENV = "DDTREE_ENGINE_CPUS"  # CPUs the engine process runs on (taskset's list: "15", "12-15", "1,3")
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,32 @@ def _die_with_parent() -> None:
         pass
 
 
+def engine_cpus(value: str, cpu_count: int) -> set[int]:
+    """The CPU numbers of a list like taskset's ("15", "12-15", "0,2-3"); ConfigError naming the variable if bad."""
+    allowed = f"allowed: CPU numbers 0-{cpu_count - 1} as N, A-B or a comma-separated list of them"
+    cpus: set[int] = set()
+    try:
+        for item in value.split(","):
+            low, _, high = item.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ConfigError(f"{ENGINE_CPUS_ENV}: {value!r} is not a CPU list ({allowed})") from None
+    if not cpus or min(cpus) < 0 or max(cpus) >= cpu_count:
+        raise ConfigError(f"{ENGINE_CPUS_ENV}: {value!r} is out of range ({allowed})")
+    return cpus
+
+
+def pin_to_cpus() -> None:
+    """Keep this process (and every thread it starts after: the scheduler's, CUDA's) on the CPUs that
+    DDTREE_ENGINE_CPUS names, if it names any: a round's host work then never shares a CPU with the HTTP
+    process or a client woken by its events. Unset: the kernel places it."""
+    value = os.environ.get(ENGINE_CPUS_ENV, "").strip()
+    if value:
+        cpus = engine_cpus(value, os.cpu_count() or 1)
+        os.sched_setaffinity(0, cpus)
+        log.info("engine process pinned to CPUs %s", sorted(cpus))
+
+
 def freeze_heap() -> None:
     """Move every object alive now (modules, weights' wrappers, the tokenizer) out of the garbage collector's reach.
 
@@ -320,6 +347,7 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         stamps.set_role("engine")
     relay = Relay(events)
     try:
+        pin_to_cpus()
         engine, context_length = load()
         scheduler = serve(engine, context_length, relay.metrics, relay.deliver)
     except ModelLoadError as err:

@@ -35,6 +35,7 @@ from typing import Protocol
 from ddtree.cuda_graphs import ROW_BUCKETS
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
+from ddtree.prefill import prefill_chunks
 from ddtree.serving.metrics import ServerMetrics
 
 log = logging.getLogger("ddtree.server")
@@ -114,6 +115,7 @@ class _Ticket:
     verify_steps: int = 0  # last cumulative count seen, to turn it into per-round deltas
     arrived: float = 0.0  # time.perf_counter() at submit
     in_burst: bool = False  # it arrived within burst_gap_s of the arrival before it
+    held_at: float | None = None  # when the scheduler first held it back for the rest of its burst
 
 
 def abort_output(request_id: str, verify_steps: int) -> StepOutput:
@@ -260,8 +262,8 @@ class Scheduler:
         while True:
             with cond:
                 while True:
-                    hold = self._burst_hold(time.perf_counter()) if pending else 0.0
-                    if self._stop or self._cancels or held or self._running or (pending and not hold):
+                    take, hold = self._admission(time.perf_counter()) if pending else (0, 0.0)
+                    if self._stop or self._cancels or held or self._running or take:
                         break  # with a burst held, the rows' rounds still run while it gathers
                     cond.wait(hold or None)
                 if self._stop:
@@ -269,9 +271,8 @@ class Scheduler:
                 cancels = admit = None
                 if self._cancels:
                     cancels, self._cancels = self._cancels, set()
-                if pending and not hold:
-                    room = min(batch.free_slots, self.max_running - len(self._running))
-                    admit = [pending.popleft() for _ in range(min(room, len(pending)))]
+                if take:
+                    admit = [pending.popleft() for _ in range(take)]
             if held is not None and (cancels or admit):
                 self._hand_out(*held)  # before the cancels and the prefills, as they came
                 held = None
@@ -315,26 +316,33 @@ class Scheduler:
             self._finish(ticket, abort_output(ticket.request.request_id, 0))
         self._flush()
 
-    def _burst_hold(self, now: float) -> float:
-        """How much longer the queued arrivals wait for the rest of their burst (0: admit them now); under _cond.
+    def _admission(self, now: float) -> tuple[int, float]:
+        """How many of the queued arrivals join now (the oldest first), and, when none, how much longer they
+        wait for the rest of their burst; under _cond, with something queued.
 
-        Held only while all of these hold: the oldest came within burst_gap_s of an arrival before it, the
-        latest came less than burst_gap_s ago, the oldest has waited less than burst_wait_s, and what may join
-        now (the free room's worth) fits in one prefill forward with room to spare."""
+        All that fits joins unless the oldest came within burst_gap_s of an arrival before it, the latest came
+        less than burst_gap_s ago, the oldest has been held back less than burst_wait_s (time spent queued
+        behind a prefill or a round, when it could not have joined anyway, does not count) and more could
+        still fit. Then only whole prefill forwards join (the batch's prefill_tokens over the longest prompt,
+        in rows), the rest waiting for more of the burst to fill theirs; none where the batch has no such
+        bound."""
         pending = self._pending
-        first = pending[0]
-        if not first.in_burst:
-            return 0.0
-        left = min(self._last_arrival + self.burst_gap_s, first.arrived + self.burst_wait_s) - now
-        if left <= 0:
-            return 0.0
         room = min(self.batch.free_slots, self.max_running - len(self._running))
-        if len(pending) >= room:
-            return 0.0  # nothing more could join this prefill
-        forward = getattr(self.batch, "prefill_tokens", None)
-        if forward is not None and len(pending) * max(len(t.request.prompt_ids) for t in pending) >= forward:
-            return 0.0  # a full forward's worth: waiting saves no forward
-        return left
+        take = min(room, len(pending))
+        first = pending[0]
+        if not first.in_burst or take == room:
+            return take, 0.0  # a lone arrival, or all the room's worth: waiting gains nothing
+        if first.held_at is None:
+            first.held_at = now
+        left = min(self._last_arrival + self.burst_gap_s, first.held_at + self.burst_wait_s) - now
+        if left <= 0:
+            return take, 0.0  # the burst is over, or its oldest has waited long enough
+        bound = getattr(self.batch, "prefill_tokens", None)
+        if bound is not None:
+            rows = max(1, bound // max(len(t.request.prompt_ids) for t in pending))  # a forward's
+            if take >= rows:
+                return take - take % rows, 0.0  # the full forwards; the rest waits to fill its own
+        return 0, left
 
     def _flush(self) -> None:
         if self._outbox:
@@ -379,7 +387,9 @@ class Scheduler:
         """Prefill the admitted requests together where the batch can (one padded forward, not one each).
 
         Each request is validated on its own first, so a bad one fails alone; only the valid ones are
-        batched. A batch without add_many/validate (e.g. a test fake) gets them one at a time.
+        batched, cut into forwards as the batch would cut them (ddtree.prefill.prefill_chunks, on a batch
+        with `prefill_tokens`), each forward's first tokens handed out as soon as it is done rather than
+        after the last. A batch without add_many/validate (e.g. a test fake) gets them one at a time.
         """
         add_many = getattr(self.batch, "add_many", None)
         validate = getattr(self.batch, "validate", None)
@@ -395,6 +405,17 @@ class Scheduler:
                 self._fail(ticket, Failure(ticket.request.request_id, str(err), err.status_code, err.field))
             else:
                 valid.append(ticket)
+        bound = getattr(self.batch, "prefill_tokens", None)
+        if bound is None or len(valid) < 2:
+            self._admit_group(valid, add_many)
+            return
+        lengths = [len(t.request.prompt_ids) for t in valid]
+        for chunk in prefill_chunks(lengths, bound, getattr(self.batch, "forward_cost", 0)):
+            self._admit_group([valid[i] for i in chunk], add_many)
+            self._flush()  # this forward's first tokens leave before the next forward runs (TTFT)
+
+    def _admit_group(self, valid: list[_Ticket], add_many: Callable[[list[Request]], list[StepOutput]]) -> None:
+        """Prefill validated requests in one add_many (one alone: add, a graphed batch's lone prefill)."""
         if len(valid) < 2:
             for ticket in valid:
                 self._admit(ticket)

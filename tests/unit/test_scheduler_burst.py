@@ -87,45 +87,54 @@ def queued(sched: Scheduler, arrivals: list[tuple[str, float]], before: float, l
     sched._last_arrival = prev
 
 
-def hold_of(arrivals: list[tuple[str, float]], now: float, before: float = -float("inf"), running: int = 0,
-            max_running: int = 16, gap_s: float = 0.001, wait_s: float = 0.004, length: int = 4,
-            prefill_tokens: int | None = None) -> float:
-    """_burst_hold at `now` for these arrivals on a batch of 16 free slots (`running` rows counted as running)."""
+def admission(arrivals: list[tuple[str, float]], now: float | list[float], before: float = -float("inf"), running: int = 0,
+              max_running: int = 16, gap_s: float = 0.001, wait_s: float = 0.004, length: int = 4,
+              prefill_tokens: int | None = None) -> tuple[int, float]:
+    """_admission at `now` (or at each of several times: the last answer) for these arrivals on a batch of 16
+    free slots (`running` rows counted as running)."""
     batch = GroupBatch(round_s=0.0, max_batch=16)
-    if prefill_tokens is not None:
-        batch.prefill_tokens = prefill_tokens  # type: ignore[attr-defined]  # DecodeBatch's bound on a forward
+    batch.prefill_tokens = prefill_tokens  # type: ignore[assignment]  # DecodeBatch's bound on a forward (None: none)
     sched = Scheduler(batch, max_running=max_running, switch_interval_s=None, burst_gap_s=gap_s, burst_wait_s=wait_s)
     for i in range(running):
         sched._running[f"run{i}"] = None  # type: ignore[assignment]
     queued(sched, arrivals, before, length)
-    return sched._burst_hold(now)
+    for at in now if isinstance(now, list) else [now]:
+        take, hold = sched._admission(at)
+    return take, round(hold, 9)
 
 
 def test_the_hold_lasts_while_the_burst_arrives_and_within_its_bounds() -> None:
     t = 100.0
-    # a lone arrival (none in the gap before it): never held, even with more right behind it
-    assert hold_of([("a", t), ("b", t + 0.0002)], now=t + 0.0003) == 0
+    # a lone arrival (none in the gap before it): never held, nor what came right behind it
+    assert admission([("a", t), ("b", t + 0.0002)], now=t + 0.0003) == (2, 0)
     # the second of a burst, first in the queue: held until the gap after the latest passes...
     burst = [("b", t + 0.0005), ("c", t + 0.0008)]
-    assert hold_of(burst, before=t, now=t + 0.0009) == pytest.approx(0.0009, abs=1e-9)
-    assert hold_of(burst, before=t, now=t + 0.0018) == 0  # 1 ms without an arrival: the burst is over
-    # ... and never past wait_s after the oldest held one, however the burst goes on
+    assert admission(burst, before=t, now=t + 0.0009) == (0, 0.0009)
+    assert admission(burst, before=t, now=t + 0.0018) == (2, 0)  # 1 ms without an arrival: the burst is over
+    # ... and the oldest is never held back longer than wait_s (from the first look that held it), however the
+    # burst goes on
     steady = [(f"r{i}", t + 0.0005 * i) for i in range(1, 12)]
-    assert hold_of(steady[:8], before=t, now=t + 0.0041) == pytest.approx(0.0004, abs=1e-9)
-    assert hold_of(steady[:9], before=t, now=t + 0.0046) == 0
+    assert admission(steady[:8], before=t, now=[t + 0.0006, t + 0.0041]) == (0, 0.0005)
+    assert admission(steady[:9], before=t, now=[t + 0.0006, t + 0.0047]) == (9, 0)
+    assert admission(steady[:9], before=t, now=t + 0.0047) == (0, 0.0008)  # first held at 4.7 ms: 0.8 ms of gap
     # the queue holds as many as may join now (8 running at most, 2 running): waiting gains nothing
-    assert hold_of(steady[:6], before=t, now=t + 0.0031, running=2, max_running=8) == 0
-    assert hold_of(steady[:5], before=t, now=t + 0.0026, running=2, max_running=8) == pytest.approx(0.0009, abs=1e-9)
+    assert admission(steady[:6], before=t, now=t + 0.0031, running=2, max_running=8) == (6, 0)
+    assert admission(steady[:7], before=t, now=t + 0.0036, running=2, max_running=8) == (6, 0)  # the oldest 6
+    assert admission(steady[:5], before=t, now=t + 0.0026, running=2, max_running=8) == (0, 0.0009)
     # gap 0: no hold at all
-    assert hold_of(steady[:3], before=t, now=t + 0.0016, gap_s=0.0) == 0
+    assert admission(steady[:3], before=t, now=t + 0.0016, gap_s=0.0) == (3, 0)
 
 
-def test_the_hold_ends_once_the_queue_fills_a_prefill_forward() -> None:
+def test_while_a_burst_arrives_only_whole_prefill_forwards_join() -> None:
     t = 100.0
-    burst = [(f"r{i}", t + 0.0002 * i) for i in range(1, 6)]
-    # 3 x 100 padded tokens: room left in a forward of 400; 4 x 100: a full one
-    assert hold_of(burst[:3], before=t, now=t + 0.0007, length=100, prefill_tokens=400) == pytest.approx(0.0009, abs=1e-9)
-    assert hold_of(burst[:4], before=t, now=t + 0.0009, length=100, prefill_tokens=400) == 0
+    burst = [(f"r{i}", t + 0.0002 * i) for i in range(1, 11)]
+    # forwards of 400 padded tokens: 4 prompts of 100; 3 leave room in one, 4 fill it, 9 fill two and wait
+    # with the ninth for the next, and once the burst is over everything joins
+    kw: dict[str, Any] = dict(before=t, length=100, prefill_tokens=400)
+    assert admission(burst[:3], now=t + 0.0007, **kw) == (0, 0.0009)
+    assert admission(burst[:4], now=t + 0.0009, **kw) == (4, 0)
+    assert admission(burst[:9], now=t + 0.0019, **kw) == (8, 0)
+    assert admission(burst[:9], now=t + 0.0029, **kw) == (9, 0)
 
 
 def test_submit_many_queues_together_and_refuses_each_bad_one_alone() -> None:
@@ -208,3 +217,33 @@ def test_after_warm_up_runs_once_on_the_thread_before_anything_is_admitted() -> 
     finally:
         sched.stop()
     assert calls == [0] and batch.groups == [["a", "b"]]
+
+
+def test_each_prefill_forward_hands_out_its_first_tokens_before_the_next_runs() -> None:
+    """Four arrivals, forwards of two (prefill_tokens): two prefills, the first's tokens out in between."""
+    log: list[Any] = []
+
+    class Logged(GroupBatch):
+        def add_many(self, requests: Any) -> list[StepOutput]:
+            log.append(("prefill", [r.request_id for r in requests]))
+            return super().add_many(requests)
+
+    batch = Logged(round_s=0.0)
+    batch.prefill_tokens = 2 * 4  # type: ignore[attr-defined]  # two prompts of 4 ids a forward
+    events = Events(["a", "b", "c", "d"])
+
+    def deliver(items: list[tuple[Any, Any]]) -> None:
+        log.extend(("out", ev.request_id) for _, ev in items if ev.new_token_ids and len(events.got[ev.request_id]) == 0)
+        for sink, ev in items:
+            sink(ev)
+
+    sched = Scheduler(batch, max_running=4, deliver=deliver, switch_interval_s=None)
+    for rid in "abcd":
+        sched.submit(request(rid), events.sink(rid))
+    sched.start()
+    try:
+        assert events.done.wait(10)
+    finally:
+        sched.stop()
+    assert log[:6] == [("prefill", ["a", "b"]), ("out", "a"), ("out", "b"),
+                       ("prefill", ["c", "d"]), ("out", "c"), ("out", "d")]
