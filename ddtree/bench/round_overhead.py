@@ -410,16 +410,17 @@ def restore_choice_state(batch: Any, state: tuple[Any, ...] | None) -> None:
         batch._gains.copy_(state[2])
 
 
-def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool) -> dict[str, Any]:
-    """Every mode `repeats` times in turns; per mode the medians of RoundClock.summary, the excess over in
-    process, and how many requests' tokens differed from the first run's."""
+def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool,
+               modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """Every mode of `modes` (in process first) `repeats` times in turns; per mode the medians of
+    RoundClock.summary, the excess over in process, and how many requests' tokens differed from the first run's."""
     clock = RoundClock(batch)
     on_a_thread(in_process, batch, requests)  # untimed: graphs captured, caches warm
     auto = choice_state(batch)
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    reference, mismatched = None, {m: 0 for m in MODES}
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    reference, mismatched = None, {m: 0 for m in modes}
     for _ in range(repeats):
-        for mode in MODES:  # in turns: a drifting machine moves every mode alike
+        for mode in modes:  # in turns: a drifting machine moves every mode alike
             restore_choice_state(batch, auto)
             _sync(device)
             clock.reset()
@@ -436,7 +437,7 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
     for mode, reps in results.items():
         row[mode] = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     base = row["in process"]["period_us"]
-    for mode in MODES[1:]:
+    for mode in modes[1:]:
         row[mode]["excess_us"] = row[mode]["period_us"] - base
     row["mismatched"] = mismatched
     return row
@@ -456,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (model)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]), help="served modes timed beside in process")
+    p.add_argument("--batch-rows", type=int, default=0, help="model: slots of the batch (at least --rows; the server's: 32)")
+    p.add_argument("--warm", choices=("no", "yes", "both"), default="no",
+                   help="model: run the server's graph warm-up on the batch first (its captures, in its order); "
+                        "both: each config on a fresh batch without, then on one with")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--prefill-costs", action="store_true",
                    help="instead: one prefill of k prompts for k in --rows, per --prefill-tokens bound (model only)")
@@ -523,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
     failed = []
-    for config_id in (args.configs if engine is not None else [args.engine]):
+    warms = {"no": [False], "yes": [True], "both": [False, True]}[args.warm] if engine is not None else [False]
+    for config_id, warmed in [(c, w) for c in (args.configs if engine is not None else [args.engine]) for w in warms]:
+        label = f"{config_id} warmed" if warmed else config_id
         for rows in args.rows:
             if args.prefill_costs and rows != max(args.rows):
                 continue  # one batch of the most rows: every size is prefilled on it
@@ -546,30 +554,36 @@ def main(argv: list[str] | None = None) -> int:
                 except ConfigError as err:
                     print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
                     return 2
-                batch = engine.open_batch(spec, rows, args.context + args.max_new_tokens + spec.max_nodes)
+                slots = max(rows, args.batch_rows)
+                batch = engine.open_batch(spec, slots, args.context + args.max_new_tokens + spec.max_nodes)
+                if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
+                    warm = Scheduler(batch, slots, warm_token=next(t for t in range(engine.vocab_size)
+                                                                    if t != engine.eos_token_id))
+                    on_a_thread(warm._warm_up)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
             if args.prefill_costs:
                 for c in on_a_thread(prefill_costs, batch, device, prompts, sorted(args.rows), args.prefill_tokens,
                                      args.repeats):
-                    print(f"{config_id:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
+                    print(f"{label:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
                           f"{c['prefill_tokens']:6}: {c['forwards']:2} forwards, {c['ms']:8.2f} ms", flush=True)
                 continue
             if args.burst:
                 results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds,
                                      args.repeats, on_gpu)
-                print_bursts(config_id, rows, results)
+                print_bursts(label, rows, results)
                 if any(r["mismatched"] for r in results):
-                    failed.append(f"{config_id} rows {rows}")
+                    failed.append(f"{label} rows {rows}")
                 continue
-            row = run_config(batch, device, requests, args.repeats, on_gpu)
-            for mode in MODES:
+            modes = tuple(m for m in MODES if m == MODES[0] or m in args.modes)
+            row = run_config(batch, device, requests, args.repeats, on_gpu, modes)
+            for mode in modes:
                 m = row[mode]
                 excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
-                print(f"{config_id:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
+                print(f"{label:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
                       f"{m['rounds']:6.0f}", flush=True)
             if any(row["mismatched"].values()):
-                failed.append(f"{config_id} rows {rows}")
+                failed.append(f"{label} rows {rows}")
     if failed:
         print(f"outputs differ between the modes: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
