@@ -41,7 +41,7 @@ def arrive(sched: Scheduler, events: Events, rids: list[str], spacing_s: float) 
 
 @pytest.mark.parametrize("gap_s", [0.3, 0.0])
 def test_a_burst_arriving_between_rounds_is_prefilled_as_one_group_in_arrival_order(gap_s: float) -> None:
-    """16 arrivals 1 ms apart while rounds of 4 ms run: held, they join in one prefill (the first, alone before
+    """16 arrivals 2 ms apart while rounds of 4 ms run: held, they join in one prefill (the first, alone before
     them, with whatever came with it); with the hold off (gap 0) each round's look admits what has come."""
     batch = GroupBatch(round_s=0.004)
     rids = [f"r{i}" for i in range(16)]
@@ -49,7 +49,7 @@ def test_a_burst_arriving_between_rounds_is_prefilled_as_one_group_in_arrival_or
     sched = Scheduler(batch, max_running=32, switch_interval_s=None, burst_gap_s=gap_s, burst_wait_s=5.0)
     sched.start()
     try:
-        arrive(sched, events, rids, 0.001)
+        arrive(sched, events, rids, 0.002)
         assert events.done.wait(30)
     finally:
         sched.stop()
