@@ -338,7 +338,7 @@ def tokenize(text: str | None, ids: list[int] | None, limits: Limits, field: str
                 f"{field}: token id {token} is outside the vocabulary (allowed 0..{limits.vocab_size - 1})",
                 field=field,
             )
-        return list(ids)
+        return ids  # make_jobs copies it into each Request
     assert text is not None
     if text == "":
         raise RequestError(f"{field}: empty prompt", field=field)
@@ -398,9 +398,9 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[Job], boo
     elif isinstance(parsed.text, str):
         prompts, batched = [(parsed.text, None)], False
     elif parsed.input_ids and isinstance(parsed.input_ids[0], list):
-        prompts, batched = [(None, list(ids)) for ids in parsed.input_ids], True  # type: ignore[arg-type]
+        prompts, batched = [(None, ids) for ids in parsed.input_ids], True  # type: ignore[misc]
     else:
-        prompts, batched = [(None, list(parsed.input_ids or []))], False  # type: ignore[arg-type]
+        prompts, batched = [(None, parsed.input_ids or [])], False  # type: ignore[list-item]
     if batched and not prompts:
         raise RequestError(f"{field}: empty batch", field=field)
     count = len(prompts)
