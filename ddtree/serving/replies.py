@@ -148,6 +148,7 @@ class Reply:
         self.text = ""
         self.matched: str | None = None  # the stop string that ended it
         self._searched = 0  # text before this offset holds no stop string
+        self._seen: tuple[int, bool] = (0, False)  # the progress the answer was last derived from
         self._running_text = IncrementalDecoder(self.decode)  # while running: only new ids are decoded
 
     def decode(self, ids: list[int]) -> str:
@@ -164,8 +165,12 @@ class Reply:
         return self.stopped or self.progress.finished
 
     def update(self) -> None:
-        if self.stopped:
+        """Derive the answer from the progress; nothing to do when it has not moved since (a plain answer's
+        last update after its finish decoded all of its text a second time)."""
+        seen = (len(self.progress.output_ids), self.progress.finished)
+        if self.stopped or seen == self._seen:
             return
+        self._seen = seen
         ids = list(self.progress.output_ids)
         # the exact text once finished; while running the incremental one, which holds back an unfinished character
         text = self.decode(ids) if self.progress.finished else self._running_text.extend(ids)
