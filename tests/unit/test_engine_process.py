@@ -54,7 +54,7 @@ def test_the_pipes_hold_a_burst_of_arrivals_without_a_reader() -> None:
     try:
         os.set_blocking(write, False)  # a full pipe raises instead of hanging the test
         request = Request("r", list(range(1000, 2024)), 8)
-        for i in range(32):
+        for _ in range(32):
             ep.write_frame(write, ("submit", request, True, True))
     finally:
         os.close(read)
@@ -185,6 +185,26 @@ def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.Monke
         proc.stop()
     assert eager >= 0.015
     assert lazy < 0.002  # one send at the end
+
+
+def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held rounds of one request go out merged (what applying them in turn gives); a failure stays after them."""
+    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)
+    read, write = os.pipe()
+    relay = ep.Relay(write)
+    a = [StepOutput("a", [1], False, None, 1, [1], [4], []),  # a first token: sent at once
+         StepOutput("a", [2, 3], False, None, 2, [2], [4], []), StepOutput("a", [4], False, None, 3, [1], [4], []),
+         StepOutput("a", [5], True, "length", 4, [1], [4], [])]  # a finish: sent at once
+    b = [StepOutput("b", [7], False, None, 1, [], [], []), StepOutput("b", [8], False, None, 2, [], [], []),
+         Failure("b", "gone", 500)]
+    for event in [*a, *b]:
+        relay.deliver([(None, event)])  # type: ignore[list-item]
+    os.close(write)
+    frames = [[ep._decode(item) for item in m[1]] for m in ep.read_frames(read)]
+    os.close(read)
+    assert frames == [[a[0]], [StepOutput("a", [2, 3, 4, 5], True, "length", 4, [2, 1, 1], [4, 4, 4], [])],
+                      [b[0]], [b[1], b[2]]]
+    assert a[1].new_token_ids == [2, 3] and a[1].accept_lengths == [2]  # the engine's lists untouched
 
 
 def test_cancel_aborts_a_running_request(engine: ep.EngineProcess) -> None:
