@@ -23,7 +23,6 @@ a GPU, in the same table. Outputs at T = 0 must be the same both ways; the exit 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shlex
 import statistics
@@ -37,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.loadgen import RequestRecord, client_pool, run_requests, tls_verify
+from ddtree.bench.loadgen import RequestRecord, client_pool, run_client, run_requests, tls_verify
 from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.bench.results import git_commit
 from ddtree.bench.round_overhead import on_a_thread
@@ -499,7 +498,7 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
     on_a_thread(run_in_process, engine, batch, timed, conc, args.max_new_tokens)  # untimed: captures made
     if warm:
         for stream in (True, False):
-            asyncio.run(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
+            run_client(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
                                      processes=args.client_processes))
     repeats: dict[str, list[dict[str, Any]]] = {m: [] for m in ("engine", *args.modes)}
     reference: list[list[int]] | None = None
@@ -513,7 +512,7 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
                 round_ms = 1000.0 * statistics.fmean(steps) if steps else None
             else:
                 before = server_rounds(url)  # a /metrics scrape: 20-40 ms, outside every timed span
-                records = asyncio.run(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
+                records = run_client(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
                                                    processes=args.client_processes))
                 round_ms = _mean_round_ms(before, server_rounds(url))
             # the requests' own span (first start to last end), as the sweep measures a repeat: not a clock around

@@ -24,9 +24,9 @@ import multiprocessing
 import os
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -34,6 +34,7 @@ import orjson
 from ddtree.errors import ConfigError
 
 MAX_ERROR_BODY = 500  # characters of an error body kept in a record
+T = TypeVar("T")
 
 
 @dataclass
@@ -299,9 +300,24 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
         return list(await asyncio.gather(*(gated(i, p) for i, p in items)))
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # not on every platform: asyncio's own loop
+        return None
+    return uvloop.new_event_loop
+
+
+def run_client(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main) on uvloop's event loop where it is installed, as the server runs: aiohttp's own Python
+    per request is less there (a request's round trip to a bare uvicorn app ~0.52 -> ~0.45 ms on 2 cores)."""
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(main)
+
+
 def _run_share(args: tuple[Any, ...]) -> list[RequestRecord]:
     """One client process's share of a run (in a `client_pool` worker)."""
-    return asyncio.run(_run_indexed(*args))
+    return run_client(_run_indexed(*args))
 
 
 _POOLS: dict[int, concurrent.futures.ProcessPoolExecutor] = {}
@@ -346,5 +362,5 @@ def client_pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
 
 def run_load(base_url: str, prompts: Sequence[Sequence[int]], concurrency: int,
              max_new_tokens: int, **kwargs: Any) -> list[RequestRecord]:
-    """Synchronous wrapper of run_requests (starts its own event loop; not for use inside one)."""
-    return asyncio.run(run_requests(base_url, prompts, concurrency, max_new_tokens, **kwargs))
+    """Synchronous wrapper of run_requests (starts its own event loop, run_client's; not for use inside one)."""
+    return run_client(run_requests(base_url, prompts, concurrency, max_new_tokens, **kwargs))

@@ -41,7 +41,6 @@ Exit status 1 when a request failed or a stage is missing or out of order.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -53,7 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.loadgen import RequestRecord, run_requests
+from ddtree.bench.loadgen import RequestRecord, run_client, run_requests
 from ddtree.errors import ConfigError
 from ddtree.serving import stamps
 
@@ -199,8 +198,8 @@ def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], fo
         for mode in args.modes:
             stream = mode == "stream"
             if warm:
-                asyncio.run(run_requests(backend.base_url, warm, 1, args.max_new_tokens, stream=stream))
-            records[mode] = asyncio.run(run_requests(backend.base_url, timed, 1, args.max_new_tokens, stream=stream,
+                run_client(run_requests(backend.base_url, warm, 1, args.max_new_tokens, stream=stream))
+            records[mode] = run_client(run_requests(backend.base_url, timed, 1, args.max_new_tokens, stream=stream,
                                                      timeline=True))
     finally:
         backend.stop()  # SIGTERM: both server processes write their stamps as they stop

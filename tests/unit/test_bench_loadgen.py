@@ -289,3 +289,12 @@ def test_client_pool_starts_every_process_even_when_its_first_pauses_are_too_sho
         assert loadgen._POOLS == {3: pool}
     finally:
         pool.shutdown(wait=True)
+
+
+def test_the_client_runs_on_uvloop_where_installed() -> None:
+    import uvloop  # a dependency of the project on Linux
+
+    async def loop_type() -> type:
+        return type(asyncio.get_running_loop())
+
+    assert issubclass(loadgen.run_client(loop_type()), uvloop.Loop)
