@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch: Any = ZeroBatch(rows)
                 prompts = [[1]] * rows
             elif args.engine == "emulated":
-                from ddtree.bench.http_vs_engine import EmulatedBatch
+                from ddtree.bench.emulated import EmulatedBatch
                 from ddtree.config import SpecConfig
 
                 batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
