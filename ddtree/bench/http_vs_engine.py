@@ -255,8 +255,7 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
     if args.engine == "emulated":
-        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round,
-                               getattr(args, "prefill_token_us", 0.0), **common)  # timeline's args have none
+        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, args.prefill_token_us, **common)
     return LocalBackend(**common)
 
 
@@ -281,16 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
+    add_server_args(p, round_ms=1.0, prefill_ms=2.0)
+    p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
+    return p
+
+
+def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: float) -> None:
+    """The flags `_backend` starts a server from (this bench's and ddtree.bench.timeline's)."""
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
-    p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill's GIL-free wait")
+    p.add_argument("--round-ms", type=float, default=round_ms, help="emulated: a round's GIL-free wait")
+    p.add_argument("--prefill-ms", type=float, default=prefill_ms, help="emulated: a prefill's GIL-free wait")
     p.add_argument("--prefill-token-us", type=float, default=0.0,
                    help="emulated: a prefill's wait per padded token; then --prefill-ms is per forward, cut as DecodeBatch cuts")
     p.add_argument("--tokens-per-round", type=int, default=1, help="emulated: tokens each row commits per round")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
-    return p
 
 
 def _check(args: argparse.Namespace) -> None:

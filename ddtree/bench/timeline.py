@@ -52,6 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench import http_vs_engine
 from ddtree.bench.loadgen import RequestRecord, run_client, run_requests
 from ddtree.errors import ConfigError
 from ddtree.serving import stamps
@@ -154,12 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=("stream", "plain"), default=["stream", "plain"])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument("--round-ms", type=float, default=0.25, help="emulated: a round's GIL-free wait")
-    p.add_argument("--prefill-ms", type=float, default=1.0, help="emulated: a prefill's GIL-free wait")
-    p.add_argument("--tokens-per-round", type=int, default=1, help="emulated: tokens each row commits per round")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    http_vs_engine.add_server_args(p, round_ms=0.25, prefill_ms=1.0)
     p.add_argument("--out", type=Path, help="folder: timeline.json (tables and every request's stamps), server logs")
     return p
 
@@ -179,16 +175,13 @@ def _check(args: argparse.Namespace) -> None:
 def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], folder: Path,
                log: Any = print) -> dict[str, Any]:
     """One server for `spec`, stamping into `folder`: {mode: {"table", "problems", "rows"}} and the server's facts."""
-    from ddtree.bench import http_vs_engine
     from ddtree.service.readiness import wait_ready
 
     stamp_dir = folder / f"stamps-{spec.id}"
     stamp_dir.mkdir(parents=True, exist_ok=True)
     for old in stamp_dir.glob("*.tsv"):
         old.unlink()
-    # the server is started as the HTTP bench starts it; what this parser lacks of its flags keeps the default
-    settings = argparse.Namespace(**{**vars(http_vs_engine.build_parser().parse_args([])), **vars(args)})
-    backend = http_vs_engine._backend(settings, folder)
+    backend = http_vs_engine._backend(args, folder)  # the server started as the HTTP bench starts it
     backend.env[stamps.ENV] = str(stamp_dir)
     warm, timed = prompts[:args.warmup], prompts[args.warmup:]
     records: dict[str, list[RequestRecord]] = {}
