@@ -203,6 +203,14 @@ def test_the_prefill_cost_bench_times_each_size_per_bound_and_empties_the_batch(
     assert batch.active == 0
 
 
+def run_to_end(sched: Scheduler, events: Events, timeout_s: float = 10.0) -> None:
+    """Start the scheduler on what is queued, wait for every request's end, stop it."""
+    sched.start()
+    try:
+        assert events.done.wait(timeout_s)
+    finally:
+        sched.stop()
+
 def test_after_warm_up_runs_once_on_the_thread_before_anything_is_admitted() -> None:
     batch = GroupBatch(round_s=0.0)
     calls: list[int] = []
@@ -211,11 +219,7 @@ def test_after_warm_up_runs_once_on_the_thread_before_anything_is_admitted() -> 
     events = Events(["a", "b"])
     for rid in ("a", "b"):  # queued before the thread starts
         sched.submit(request(rid), events.sink(rid))
-    sched.start()
-    try:
-        assert events.done.wait(10)
-    finally:
-        sched.stop()
+    run_to_end(sched, events)
     assert calls == [0] and batch.groups == [["a", "b"]]
 
 
@@ -240,10 +244,6 @@ def test_each_prefill_forward_hands_out_its_first_tokens_before_the_next_runs() 
     sched = Scheduler(batch, max_running=4, deliver=deliver, switch_interval_s=None)
     for rid in "abcd":
         sched.submit(request(rid), events.sink(rid))
-    sched.start()
-    try:
-        assert events.done.wait(10)
-    finally:
-        sched.stop()
+    run_to_end(sched, events)
     assert log[:6] == [("prefill", ["a", "b"]), ("out", "a"), ("out", "b"),
                        ("prefill", ["c", "d"]), ("out", "c"), ("out", "d")]
