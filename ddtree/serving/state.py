@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -85,12 +86,18 @@ class Progress:
         if out.new_token_ids and self.first_token_latency is None:
             self.first_token_latency = time.perf_counter() - self.started
         self.verify_steps = max(self.verify_steps, out.verify_steps)
-        self.accept_lengths.extend(out.accept_lengths)
-        for length in out.accept_lengths:  # kept as it grows: every streamed chunk reports it
-            self.correct_drafts += max(length - 1, 0)
-            if length >= len(self.accept_histogram):
-                self.accept_histogram.extend([0] * (length + 1 - len(self.accept_histogram)))
-            self.accept_histogram[length] += 1
+        lengths = out.accept_lengths
+        if lengths:  # kept as it grows: every streamed chunk reports it
+            self.accept_lengths.extend(lengths)
+            # counted, not walked in Python: a plain request's last event holds ~80 rounds (20 ms of them)
+            counts = Counter(lengths) if len(lengths) > 1 else {lengths[0]: 1}
+            histogram = self.accept_histogram
+            top = max(counts)
+            if top >= len(histogram):
+                histogram.extend([0] * (top + 1 - len(histogram)))
+            for length, count in counts.items():
+                histogram[length] += count
+            self.correct_drafts += sum(lengths) - len(lengths) + counts.get(0, 0)  # sum of max(length - 1, 0)
         if out.finished:
             self.finish_reason = out.finish_reason or "abort"
 
