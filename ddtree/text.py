@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from ddtree.errors import ModelLoadError
 
@@ -26,6 +26,10 @@ class TextCodec:
     def __init__(self, tokenizer: Tokenizer, path: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.path = path
+        # decode(a + b) == decode(a) + decode(b) wherever decode(a) ends on a whole character: a lone byte-level
+        # decoder (GPT-2's, Llama 3's, Qwen's) maps every token to its bytes and all the bytes to text at once.
+        # Not so for one that treats the first token apart (Metaspace drops its leading space).
+        self.concatenative = isinstance(tokenizer.decoder, decoders.ByteLevel)
 
     @property
     def vocab_size(self) -> int:
@@ -50,24 +54,41 @@ class IncrementalDecoder:
     text is extended by decode(window) - decode(window without the new ids), where the window starts at the
     ids confirmed last time: decoders that treat a sequence's first token specially (a leading space) see the
     same start in both decodes, and bytes of a character not yet complete (U+FFFD) wait for the next ids.
-    `text` is therefore the text of `ids[:confirmed]`; the caller decodes the whole list once at the end
-    when it needs the exact final text (it may differ where a tokenizer's decoder is not local).
+    `text` is therefore the text of `ids[:confirmed]`; `whole(ids)` is the exact text of all of them (it may
+    differ where a tokenizer's decoder is not local: then it decodes the whole list).
+
+    concatenative: the decoder's text of a + b is a's and b's wherever a's ends on a whole character
+    (TextCodec.concatenative): then only the new ids are decoded, once, and `whole` decodes only those not yet
+    confirmed.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], concatenative: bool = False) -> None:
         self._decode = decode
+        self.concatenative = concatenative
         self.text = ""
         self.confirmed = 0  # ids spelled by `text`
         self._window = 0  # where the next decode starts
 
     def extend(self, ids: Sequence[int]) -> str:
         if len(ids) > self.confirmed:
+            if self.concatenative:
+                new = self._decode(list(ids[self.confirmed:]))
+                if new and not new.endswith("\ufffd"):
+                    self.text += new
+                    self.confirmed = len(ids)
+                return self.text
             known = self._decode(list(ids[self._window:self.confirmed]))
             longer = self._decode(list(ids[self._window:]))
             if len(longer) > len(known) and not longer.endswith("\ufffd"):
                 self.text += longer[len(known):]
                 self._window, self.confirmed = self.confirmed, len(ids)
         return self.text
+
+    def whole(self, ids: Sequence[int]) -> str:
+        """The exact text of `ids` (the ids given to `extend`, and maybe more); `text` stays as it was."""
+        if self.concatenative and len(ids) >= self.confirmed:
+            return self.text + self._decode(list(ids[self.confirmed:])) if len(ids) > self.confirmed else self.text
+        return self._decode(list(ids))
 
 
 def load_tokenizer(model_dir: str | Path) -> TextCodec | None:
