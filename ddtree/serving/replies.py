@@ -161,7 +161,9 @@ class Reply:
         self.matched: str | None = None  # the stop string that ended it
         self._searched = 0  # text before this offset holds no stop string
         self._seen: tuple[int, bool] = (0, False)  # the progress the answer was last derived from
-        self._running_text = IncrementalDecoder(self.decode)  # while running: only new ids are decoded
+        # while running only new ids are decoded; once finished, all of them, unless the codec's text of the ids
+        # so far is exact (concatenative): then only those it has not confirmed
+        self._running_text = IncrementalDecoder(self.decode, getattr(self._codec, "concatenative", False))
 
     def decode(self, ids: list[int]) -> str:
         if self._codec is None:
@@ -185,7 +187,7 @@ class Reply:
         self._seen = seen
         ids = list(self.progress.output_ids)
         # the exact text once finished; while running the incremental one, which holds back an unfinished character
-        text = self.decode(ids) if self.progress.finished else self._running_text.extend(ids)
+        text = self._running_text.whole(ids) if self.progress.finished else self._running_text.extend(ids)
         out = self.job.output
         if out.stop and len(ids) >= max(out.min_new_tokens, 1):
             start = max(0, self._searched - max(len(s) for s in out.stop) + 1)
@@ -200,7 +202,7 @@ class Reply:
                 start = at + 1
             self._searched = len(text)
         if self.progress.finish_reason == "stop" and ids and not out.no_stop_trim:
-            text = self.decode(ids[:-1])  # SGLang: a stop token stays in output_ids, its text is trimmed
+            text = self._running_text.whole(ids[:-1])  # SGLang: a stop token stays in output_ids, its text is trimmed
         self.ids, self.text = ids, text
 
     def stream_text(self) -> str:
