@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
+from ddtree.bench.fresh_runs import drive
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_client, run_requests, tls_verify
 from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.bench.results import git_commit
@@ -263,7 +264,9 @@ def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.http_vs_engine", description=__doc__.splitlines()[0])
+    # no abbreviations: --runs hands the rest of the command line to each run, less its own --runs and --out
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.http_vs_engine", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
     p.add_argument("--target", type=Path, default=FIXTURES / "target")
@@ -277,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-processes", type=int, default=1,
                    help="HTTP client processes sharing each cell's concurrency (ddtree.bench.loadgen.client_pool)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--runs", type=int, default=1,
+                   help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
+                        "median ratio over the runs (ddtree.bench.fresh_runs)")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
@@ -299,7 +305,8 @@ def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: flo
 
 def _check(args: argparse.Namespace) -> None:
     for flag, values in (("--contexts", args.contexts), ("--concurrency", args.concurrency),
-                         ("--repeats", [args.repeats]), ("--max-new-tokens", [args.max_new_tokens]),
+                         ("--repeats", [args.repeats]), ("--runs", [args.runs]),
+                         ("--max-new-tokens", [args.max_new_tokens]),
                          ("--max-running-requests", [args.max_running_requests]),
                          ("--tokens-per-round", [args.tokens_per_round])):
         bad = [v for v in values if v < 1]
@@ -425,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
             "engine": args.engine, "device": args.device, "client_processes": args.client_processes,
             "commit": git_commit()}
+    if args.runs > 1:
+        return drive("ddtree.bench.http_vs_engine", argv, args.runs, args.out,
+                     Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-runs-")), meta)
 
     def write(rows: list[dict[str, Any]]) -> None:
         if args.out:
