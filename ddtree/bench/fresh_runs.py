@@ -11,6 +11,7 @@ runs, with the lowest and highest.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 HTTP_MODES = ("stream", "plain")
+STOP_WAIT_S = 60.0  # for a run told to stop to stop its servers and write its rows
 
 
 def without_options(argv: Sequence[str], names: Sequence[str]) -> list[str]:
@@ -97,26 +99,36 @@ def _f(value: float | None, digits: int = 1) -> str:
 def drive(module: str, argv: Sequence[str], runs: int, out: Path | None, scratch: Path, meta: dict[str, Any],
           log: Callable[..., None] = print) -> int:
     """Run `python -m module argv --out run_i` `runs` times, one after another; after each, the summary so far
-    (printed, and written to `out` with every run's rows: a run cut short keeps the ones before it). The exit
-    status is the worst of the runs' (1: outputs differed or requests failed in some run)."""
+    (printed, and written to `out` with every run's rows: a run cut short keeps its rows so far and the runs
+    before it). The exit status is the first failing run's (1: outputs differed or requests failed; 130: stopped)."""
     child = without_options(argv, ("--runs", "--out"))
     status = 0
     done: list[list[dict[str, Any]]] = []
     for i, path in enumerate(run_paths(out, runs, scratch), start=1):
         log(f"=== run {i}/{runs}: {path}", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        code = subprocess.run([sys.executable, "-m", module, *child, "--out", str(path)], check=False).returncode
+        process = subprocess.Popen([sys.executable, "-m", module, *child, "--out", str(path)])
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:  # stopped (Ctrl-C, timeout -s INT): the run stops too, and what it measured is kept
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            code = 130
         if code and not status:
             status = code if code > 0 else 1  # < 0: killed by a signal
         if path.is_file():
             done.append(json.loads(path.read_text())["rows"])
         if code not in (0, 1):
-            log(f"run {i} stopped with status {code}; the summary holds the runs before it", flush=True)
-            break
+            log(f"run {i} stopped with status {code}; the summary holds its rows so far and the runs before it", flush=True)
         summary = summarize_runs(done)
         log(f"--- over {len(done)} run(s): median HTTP / in-process ratio, lowest, highest", flush=True)
         log(format_summary(summary), flush=True)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": done}, indent=2) + "\n")
+        if code not in (0, 1):
+            break
     return status

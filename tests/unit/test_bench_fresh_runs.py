@@ -100,3 +100,29 @@ def test_runs_is_checked_before_anything_runs(capsys: pytest.CaptureFixture[str]
     assert "--runs: [0] out of range (allowed >= 1)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         http_vs_engine.build_parser().parse_args(["--ru", "2"])  # no abbreviations: --runs passes the rest on
+
+
+def test_a_stopped_driver_stops_its_run_and_keeps_what_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "hve.json"
+    signals: list[int] = []
+
+    class Interrupted:
+        """A run that has written one cell when the driver is told to stop; it stops on the SIGINT passed on."""
+
+        def __init__(self, cmd: list[str]) -> None:
+            path = Path(cmd[cmd.index("--out") + 1])
+            path.write_text(json.dumps({"rows": [_row("ar", 1, 100, 97)]}))
+
+        def wait(self, timeout: float | None = None) -> int:
+            if not signals:
+                raise KeyboardInterrupt
+            return -2
+
+        def send_signal(self, sig: int) -> None:
+            signals.append(sig)
+
+    monkeypatch.setattr(fresh_runs.subprocess, "Popen", Interrupted)
+    status = fresh_runs.drive("x", [], 3, out, tmp_path, {}, log=lambda *a, **k: None)
+    assert status == 130 and signals == [fresh_runs.signal.SIGINT]
+    saved = json.loads(out.read_text())
+    assert len(saved["runs"]) == 1 and saved["summary"][0]["stream"]["ratio"] == pytest.approx(0.97)
