@@ -165,6 +165,12 @@ class Reply:
         # so far is exact (concatenative): then only those it has not confirmed
         self._running_text = IncrementalDecoder(self.decode, getattr(self._codec, "concatenative", False))
 
+    def decode_ahead(self) -> None:
+        """Decode the ids that have come while running (with a concatenative codec, whose text of them stays exact):
+        a plain answer then decodes only its last event's ids when it finishes, not the whole output."""
+        if not self.progress.finished:
+            self._running_text.extend(self.progress.output_ids)
+
     def decode(self, ids: list[int]) -> str:
         if self._codec is None:
             return ""
@@ -259,13 +265,18 @@ class Reply:
 def submit_all(state: ServerState, jobs: list[Job]) -> list[tuple[RequestStream, Reply]]:
     """Queue every job or none: a refused one (e.g. a duplicate rid) cancels those already queued.
 
-    A job with stop strings is woken every round even when not streamed, so a stop string ends it early.
+    A job with stop strings is woken every round even when not streamed, so a stop string ends it early; one
+    without decodes its text as its events arrive where the codec allows it (Reply.decode_ahead).
     """
     out: list[tuple[RequestStream, Reply]] = []
     try:
         for job in jobs:
-            stream = state.submit(job.request, stream=job.stream or bool(job.output.stop))
-            out.append((stream, Reply(job, stream.progress, state)))
+            woken = job.stream or bool(job.output.stop)
+            stream = state.submit(job.request, stream=woken)
+            reply = Reply(job, stream.progress, state)
+            if not woken and getattr(state.codec, "concatenative", False):
+                stream.on_event = reply.decode_ahead
+            out.append((stream, reply))
     except RequestError:
         for stream, _ in out:
             state.cancel(stream)

@@ -140,7 +140,8 @@ class RequestStream:
     every_round: wake the consumer for every round that touched the request (streaming), else only when
     it has finished or failed (a plain answer needs nothing in between). pace: seconds the consumer
     waits after an update before the next one (the first and the last are never held back); on_done:
-    called once when the request has finished or failed."""
+    called once when the request has finished or failed. `on_event`, when set, is called after each event is
+    applied, before the consumer is woken (a plain answer's text decoded as its events arrive)."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, every_round: bool = True,
                  pace: Callable[[], float] | None = None, on_done: Callable[[], None] | None = None) -> None:
@@ -149,6 +150,7 @@ class RequestStream:
         self._loop = loop
         self._pace = pace
         self._on_done = on_done
+        self.on_event: Callable[[], None] | None = None
         self._failure: Failure | None = None
         self._fresh = False  # progress the consumer has not seen yet
         self._not_before = 0.0  # loop time before which a running request's next update waits
@@ -160,6 +162,8 @@ class RequestStream:
             self._failure = event
         else:
             self.progress.apply(event)
+            if self.on_event is not None:
+                self.on_event()
         self._fresh = True
         if self._on_done is not None and (self._failure is not None or self.progress.finished):
             self._on_done()

@@ -205,6 +205,38 @@ def test_text_prompt_is_encoded_and_output_decoded() -> None:
     run(app, body)
 
 
+def test_a_byte_level_codec_s_answers_are_the_exact_text_plain_and_streamed() -> None:
+    """The fixture's byte-level BPE (concatenative: a plain answer's text is decoded as its rounds arrive, a
+    finished one decodes only what it had not confirmed): with single-byte ids, characters split across
+    rounds, and the stop token's text trimmed, every answer is the full decode of its ids."""
+    from pathlib import Path
+
+    from ddtree.text import load_tokenizer
+
+    codec = load_tokenizer(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target")
+    assert codec is not None and codec.concatenative
+    engine = FakeEngine(vocab_size=300, eos_token_id=7)  # the fixture's first ids are single bytes
+    app, _ = make_app(engine, codec=codec)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        stops = 0
+        for prompt in ([1, 2], [3, 4, 5], [6], [9, 9], [200, 201, 202], [250]):
+            free = expected(prompt, engine, max_new_tokens=40, ignore_eos=True)[0]
+            for stop_ids in ([], [free[15]]):  # a length finish, and a stop token's
+                params = {"max_new_tokens": 40, "ignore_eos": True, "stop_token_ids": stop_ids}
+                plain = (await c.post("/generate", json=gen(prompt, **params))).json()
+                ids = plain["output_ids"]
+                stop = plain["meta_info"]["finish_reason"]["type"] == "stop"
+                stops += stop
+                assert ids == expected(prompt, engine, **params)[0]
+                assert plain["text"] == codec.decode(ids[:-1] if stop else ids)
+                r = await c.post("/generate", json={**gen(prompt, **params), "stream": True})
+                assert parse_sse(r.text)[-1]["text"] == plain["text"]
+        assert stops  # the stop token's trim was met
+
+    run(app, body)
+
+
 def test_batched_input_returns_a_list_in_order() -> None:
     app, engine = make_app()
     prompts = [[1, 2], [3, 4, 5], [6]]
