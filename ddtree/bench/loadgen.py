@@ -8,9 +8,9 @@ Streaming follows SGLang: SSE lines `data: {json}` whose output_ids/meta_info ar
 ending with `data: [DONE]`. Incremental chunks (SGLang's --incremental-streaming-output) are
 recognised by their length and accumulated.
 
-The client is aiohttp, as in SGLang's own benchmark client (sglang.benchmark.serving): on a 2-core
-machine httpx spent ~2 ms of Python before a request's first token and ~80 us per streamed chunk,
-the same order as the server's own work it is there to measure.
+The client is ddtree.bench.http_client (an asyncio protocol on httptools' parser, keep-alive
+connections): a load generator must cost far less than the server it measures, and aiohttp's
+Python per request was about the server's whole HTTP overhead (that module says by how much).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 
+from ddtree.bench.http_client import ConnectError, ConnectionClosed, ConnectionPool, HTTPClientError, split_url
 from ddtree.errors import ConfigError
 
 MAX_ERROR_BODY = 500  # characters of an error body kept in a record
@@ -119,16 +119,13 @@ def _finish(record: RequestRecord, t0: float) -> None:
 def _error_text(err: BaseException, timeout_s: float) -> str:
     if isinstance(err, TimeoutError):
         return f"timeout after {timeout_s:g} s ({type(err).__name__})"
-    if isinstance(err, aiohttp.ClientConnectorError):
+    if isinstance(err, (ConnectError, ConnectionClosed)):
         return f"connection error: {err}"
     return f"{type(err).__name__}: {err}"
 
 
-JSON_HEADERS = {"content-type": "application/json"}
-
-
-async def _send_plain(client: aiohttp.ClientSession, url: str, body: bytes, record: RequestRecord) -> None:
-    async with client.post(url, data=body, headers=JSON_HEADERS) as response:
+async def _send_plain(pool: ConnectionPool, path: str, body: bytes, record: RequestRecord) -> None:
+    async with pool.post(path, body) as response:
         content = await response.read()
         if response.status != 200:
             record.error = f"HTTP {response.status}: {content.decode('utf-8', 'replace')[:MAX_ERROR_BODY]}"
@@ -167,9 +164,9 @@ def _apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float, t0: f
     return last_token_at
 
 
-async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, record: RequestRecord, t0: float) -> None:
+async def _send_stream(pool: ConnectionPool, path: str, body: bytes, record: RequestRecord, t0: float) -> None:
     last_token_at: float | None = None
-    async with client.post(url, data=body, headers=JSON_HEADERS) as response:
+    async with pool.post(path, body) as response:
         if response.status != 200:
             text = (await response.read()).decode("utf-8", "replace")
             record.error = f"HTTP {response.status}: {text[:MAX_ERROR_BODY]}"
@@ -177,7 +174,7 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
         # Events are split here rather than line by line: one pass of Python per network read, however many
         # events it holds (SSE: events end with a blank line; a server's chunk may end inside one).
         pending = b""
-        async for data in response.content.iter_any():
+        while data := await response.read_chunk():
             now = time.perf_counter()
             *events, pending = (pending + data).split(b"\n\n")
             for event in events:
@@ -189,9 +186,9 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
                         record.ok = True
                         if record.stamps:
                             record.stamps["c_done"] = time.monotonic_ns()
-                        # read the body to its end, so that the connection is reused (aiohttp closes one whose
+                        # read the body to its end, so that the connection is reused (the pool closes one whose
                         # response is unfinished); a server that ends its body with [DONE] has nothing left to send
-                        while await response.content.readany():
+                        while await response.read_chunk():
                             pass
                         return
                     chunk = orjson.loads(payload)
@@ -202,7 +199,7 @@ async def _send_stream(client: aiohttp.ClientSession, url: str, body: bytes, rec
     record.error = "stream ended without 'data: [DONE]'"
 
 
-async def _one(client: aiohttp.ClientSession, url: str, prompt: Sequence[int],
+async def _one(pool: ConnectionPool, path: str, prompt: Sequence[int],
                sampling: dict[str, Any], stream: bool, timeout_s: float, timeline: bool = False) -> RequestRecord:
     # orjson: the client's own encoding and parsing stay small beside the server's (a 32-request wave is ~0.1 s)
     body = orjson.dumps({"input_ids": list(prompt), "sampling_params": sampling, "stream": stream})
@@ -213,10 +210,10 @@ async def _one(client: aiohttp.ClientSession, url: str, prompt: Sequence[int],
     try:
         async with asyncio.timeout(timeout_s):  # bounds the whole request, stream included
             if stream:
-                await _send_stream(client, url, body, record, t0)
+                await _send_stream(pool, path, body, record, t0)
             else:
-                await _send_plain(client, url, body, record)
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as err:
+                await _send_plain(pool, path, body, record)
+    except (HTTPClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as err:
         # ValueError covers bad JSON from the server; a broken answer is a failed request.
         record.ok = False
         record.error = _error_text(err, timeout_s)
@@ -254,6 +251,7 @@ async def run_requests(
     timeline: each record's `stamps` get the client's CLOCK_MONOTONIC times (ddtree.bench.timeline).
     """
     _check_args(prompts, concurrency, max_new_tokens, timeout_s)
+    split_url(base_url)  # a ConfigError naming base_url before any request
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ConfigError(f"processes: {processes!r} must be an integer >= 1")
     items = list(enumerate(prompts))
@@ -278,13 +276,10 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
                        max_new_tokens: int, temperature: float, ignore_eos: bool, stream: bool, timeout_s: float,
                        seed: int | None, timeline: bool = False) -> list[RequestRecord]:
     """(index, prompt) pairs, `concurrency` in flight from one client; the index picks the seed."""
-    url = base_url.rstrip("/") + "/generate"
+    path = split_url(base_url).path.rstrip("/") + "/generate"
     gate = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=concurrency, ssl=tls_verify(base_url))
-    # No session timeout: asyncio.timeout(timeout_s) in _one bounds each request (aiohttp's default would cut
-    # every request at 300 s, whatever timeout_s says)
-    no_limit = aiohttp.ClientTimeout(total=None, sock_connect=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=no_limit, trust_env=False) as client:
+    # the gate bounds the pool: at most `concurrency` connections, each reused while the server keeps it
+    async with ConnectionPool(base_url, ssl=tls_verify(base_url)) as pool:
 
         async def gated(i: int, prompt: Sequence[int]) -> RequestRecord:
             sampling: dict[str, Any] = {
@@ -295,7 +290,7 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
             if seed is not None:
                 sampling["seed"] = seed + i
             async with gate:
-                return await _one(client, url, prompt, sampling, stream, timeout_s, timeline)
+                return await _one(pool, path, prompt, sampling, stream, timeout_s, timeline)
 
         return list(await asyncio.gather(*(gated(i, p) for i, p in items)))
 
@@ -309,8 +304,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run_client(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run(main) on uvloop's event loop where it is installed, as the server runs: aiohttp's own Python
-    per request is less there (a request's round trip to a bare uvicorn app ~0.52 -> ~0.45 ms on 2 cores)."""
+    """asyncio.run(main) on uvloop's event loop where it is installed, as the server runs: the client's own
+    Python per request is less there (with aiohttp, a round trip to a bare uvicorn app ~0.52 -> ~0.45 ms on
+    2 cores)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(main)
 

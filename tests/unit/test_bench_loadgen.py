@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import aiohttp
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,6 +25,13 @@ HANG_TOKEN = 777  # a prompt starting with it never answers
 SPLIT_TOKEN = 888  # a prompt starting with it gets each event in two writes, split inside its JSON
 CUT_TOKEN = 999  # a prompt starting with it gets a stream that ends without [DONE]
 LATE_END_TOKEN = 555  # a prompt starting with it gets a stream whose body ends well after its [DONE]
+AWKWARD_TOKEN = 444  # a prompt starting with it gets its stream in pieces cut at awkward places
+INCREMENTAL_TOKEN = 333  # a prompt starting with it gets incremental chunks (only the new tokens)
+ERROR_CHUNK_TOKEN = 222  # a prompt starting with it gets an error event after its first chunk
+CLOSE_TOKEN = 111  # a prompt starting with it gets its answer with `Connection: close`
+# where AWKWARD_TOKEN's stream (`data:{json}`, no space) is cut: inside "data:", after it, between an event's two
+# newlines, inside "[DONE]"
+AWKWARD_CUTS = (2, 5, 6, -2, -1)
 TOKENS_PER_CHUNK = 3  # like speculative decoding: several tokens per streamed chunk
 STEP_S = 0.01
 
@@ -78,22 +84,38 @@ def make_app(state: FakeState) -> FastAPI:
                 await asyncio.sleep(STEP_S * 3)
             finally:
                 leave()
-            return {"text": "", "output_ids": output, "meta_info": meta(prompt, max_new, True, max_new)}
+            answer = {"text": "", "output_ids": output, "meta_info": meta(prompt, max_new, True, max_new)}
+            return JSONResponse(answer, headers={"connection": "close"} if prompt[0] == CLOSE_TOKEN else None)
 
         async def events() -> AsyncIterator[str]:
             try:
                 n = 0
                 while n < max_new:
                     await asyncio.sleep(STEP_S)
-                    n = min(n + TOKENS_PER_CHUNK, max_new)
-                    chunk = {"text": "", "output_ids": output[:n],
+                    n, old = min(n + TOKENS_PER_CHUNK, max_new), n
+                    chunk = {"text": "", "output_ids": output[old:n] if prompt[0] == INCREMENTAL_TOKEN else output[:n],
                              "meta_info": meta(prompt, n, n == max_new, max_new)}
                     event = f": a comment line\ndata: {json.dumps(chunk)}\n\n"
+                    if prompt[0] == ERROR_CHUNK_TOKEN and old > 0:
+                        event = 'data: {"error": {"message": "engine gone", "code": 500}}\n\n'
                     if prompt[0] == SPLIT_TOKEN:
                         yield event[:25]
                         await asyncio.sleep(STEP_S)
+                    if prompt[0] == AWKWARD_TOKEN:
+                        event = event.removeprefix(": a comment line\n").replace("data: ", "data:")  # no space: SSE allows it
+                        pieces = [event[a:b] for a, b in zip((0, *AWKWARD_CUTS), (*AWKWARD_CUTS, None))]
+                        for piece in pieces[:-1]:
+                            yield piece
+                            await asyncio.sleep(STEP_S / 5)
+                        event = pieces[-1]
                     yield event[25:] if prompt[0] == SPLIT_TOKEN else event
-                if prompt[0] != CUT_TOKEN:
+                if prompt[0] == AWKWARD_TOKEN:
+                    yield "data: [DO"
+                    await asyncio.sleep(STEP_S / 5)
+                    yield "NE]\n"
+                    await asyncio.sleep(STEP_S / 5)
+                    yield "\n"
+                elif prompt[0] != CUT_TOKEN:
                     yield "data: [DONE]\n\n"
                 if prompt[0] == LATE_END_TOKEN:
                     await asyncio.sleep(STEP_S)  # the chunked body's terminator a while after [DONE]
@@ -143,6 +165,7 @@ def test_streaming_keeps_exactly_concurrency_in_flight(server: tuple[str, FakeSt
     prompts = [[i + 1, 2, 3] for i in range(12)]
     records = run_load(url, prompts, concurrency=4, max_new_tokens=10, timeout_s=20)
     assert state.max_in_flight == 4, f"max in flight {state.max_in_flight}, limit 4"
+    assert len(set(state.client_ports)) == 4, state.client_ports  # one keep-alive connection per slot
     assert all(r.ok for r in records), [r.error for r in records]
     r = records[0]
     assert r.completion_tokens == 10 and r.prompt_tokens == 3
@@ -189,17 +212,6 @@ def test_failures_are_recorded_not_raised(server: tuple[str, FakeState]) -> None
     assert records[2].e2e_s is not None and records[2].e2e_s >= 1.0
 
 
-def test_timeout_s_alone_bounds_a_request(server: tuple[str, FakeState], monkeypatch: pytest.MonkeyPatch) -> None:
-    """aiohttp's session default (a 300 s total) must not cut a request that timeout_s allows; scaled down here:
-    a default of 20 ms against a ~0.1 s stream and a plain answer of 30 ms."""
-    monkeypatch.setattr(aiohttp.client, "DEFAULT_TIMEOUT", aiohttp.ClientTimeout(total=0.02))
-    url, _ = server
-    streamed = run_load(url, [[1, 2]], concurrency=1, max_new_tokens=30, timeout_s=20)
-    plain = run_load(url, [[1, 2]], concurrency=1, max_new_tokens=4, timeout_s=20, stream=False)
-    assert streamed[0].ok and plain[0].ok, (streamed[0].error, plain[0].error)
-    assert streamed[0].completion_tokens == 30
-
-
 def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, FakeState]) -> None:
     """An event arriving in two pieces is read whole, once; a stream without [DONE] is a failed request."""
     url, _ = server
@@ -213,12 +225,61 @@ def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, Fak
 
 
 def test_a_stream_read_to_its_end_keeps_the_connection(server: tuple[str, FakeState]) -> None:
-    """The client reads past [DONE] to the body's end, so the next request reuses the connection (aiohttp
+    """The client reads past [DONE] to the body's end, so the next request reuses the connection (the pool
     closes one whose response is unfinished)."""
     url, state = server
     records = run_load(url, [[LATE_END_TOKEN, i] for i in range(4)], concurrency=1, max_new_tokens=3, timeout_s=20)
     assert all(r.ok for r in records), [r.error for r in records]
     assert len(state.client_ports) == 4 and len(set(state.client_ports)) == 1, state.client_ports
+
+
+def test_a_stream_cut_at_awkward_places_is_read_whole(server: tuple[str, FakeState]) -> None:
+    """Reads ending inside "data:", between an event's two newlines and inside "[DONE]": each event is
+    applied once, whole, and [DONE] is still seen."""
+    url, _ = server
+    (record,) = run_load(url, [[AWKWARD_TOKEN, 1]], concurrency=1, max_new_tokens=7, timeout_s=20, timeline=True)
+    assert record.ok, record.error
+    assert record.output_ids == [(AWKWARD_TOKEN + i) % 1000 for i in range(7)] and record.completion_tokens == 7
+    assert len(record.itl_s) == 2 and record.spec_verify_ct == 3 and record.finish_reason == "length"
+    assert "c_done" in record.stamps
+
+
+def test_incremental_chunks_are_accumulated(server: tuple[str, FakeState]) -> None:
+    url, _ = server
+    (record,) = run_load(url, [[INCREMENTAL_TOKEN, 1]], concurrency=1, max_new_tokens=8, timeout_s=20)
+    assert record.ok, record.error
+    assert record.output_ids == [(INCREMENTAL_TOKEN + i) % 1000 for i in range(8)] and record.completion_tokens == 8
+    assert len(record.itl_s) == 2
+
+
+def test_an_error_event_fails_the_request_with_its_text(server: tuple[str, FakeState]) -> None:
+    url, _ = server
+    ok, failed = run_load(url, [[1, 2], [ERROR_CHUNK_TOKEN, 1]], concurrency=1, max_new_tokens=9, timeout_s=20)
+    assert ok.ok, ok.error
+    assert not failed.ok and failed.error == 'stream error: {"message": "engine gone", "code": 500}'
+    assert failed.completion_tokens == 3  # the chunk before the error
+
+
+def test_a_server_closing_each_connection_gets_a_new_one_per_request(server: tuple[str, FakeState]) -> None:
+    url, state = server
+    records = run_load(url, [[CLOSE_TOKEN, i] for i in range(3)] + [[1, 2]], concurrency=1, max_new_tokens=3,
+                       timeout_s=20, stream=False)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert len(state.seen) == 4 and len(set(state.client_ports)) == 4, state.client_ports  # each request sent once
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_timeline_stamps_are_in_order(server: tuple[str, FakeState], stream: bool) -> None:
+    url, _ = server
+    records = run_load(url, [[1, 2], [3, 4]], concurrency=1, max_new_tokens=7, timeout_s=20, stream=stream,
+                       timeline=True)
+    names = ["c_send", "c_first", "c_last", "c_done", "c_end"] if stream else ["c_send", "c_done", "c_end"]
+    for r in records:
+        assert r.ok, r.error
+        assert set(r.stamps) == set(names), r.stamps
+        times = [r.stamps[n] for n in names]
+        assert times == sorted(times), r.stamps
+    assert records[0].stamps["c_end"] <= records[1].stamps["c_send"]
 
 
 def test_connection_error_is_recorded() -> None:
