@@ -309,7 +309,7 @@ class _Exchange:
 
 
 def _no_verify() -> ssl_module.SSLContext:
-    """https without a context given: TLS without certificate checks (what ssl=False means to aiohttp)."""
+    """https with ssl=False: TLS without certificate checks (loadgen.tls_verify always gives a context)."""
     context = ssl_module.SSLContext(ssl_module.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl_module.CERT_NONE
