@@ -90,11 +90,12 @@ class SchedulerFactory(Protocol):
 
 
 def _encode(event: Event) -> tuple[Any, ...] | list[Any]:
-    # tuples/lists, not the dataclasses: pickling a dataclass costs ~5x its fields'
+    # tuples/lists, not the dataclasses: pickling a dataclass costs ~5x its fields'. No budgets: nothing on the
+    # HTTP side reads them (/server_info's come with the status), and a plain request's last frame held ~80
     if isinstance(event, Failure):
         return (event.request_id, event.message, event.status_code, event.field)
     return [event.request_id, event.new_token_ids, event.finished, event.finish_reason, event.verify_steps,
-            event.accept_lengths, event.budgets, event.logprobs]
+            event.accept_lengths, event.logprobs]
 
 
 def _merge(held: list[Any], event: StepOutput) -> None:
@@ -106,14 +107,26 @@ def _merge(held: list[Any], event: StepOutput) -> None:
     held[1] = held[1] + event.new_token_ids
     held[2], held[3], held[4] = event.finished, event.finish_reason, event.verify_steps
     held[5] = held[5] + event.accept_lengths
-    held[6] = held[6] + event.budgets
-    held[7] = held[7] + event.logprobs
+    held[6] = held[6] + event.logprobs
+
+
+def _packed(items: list[Any]) -> list[Any]:
+    """The events as they are sent: accepted lengths as bytes where they fit (one object to pickle, not one
+    int per round)."""
+    for item in items:
+        if len(item) != 4 and item[5]:
+            try:
+                item[5] = bytes(item[5])
+            except ValueError:
+                pass  # a length over 255: the list
+    return items
 
 
 def _decode(item: tuple[Any, ...]) -> Event:
     if len(item) == 4:
         return Failure(*item)
-    return StepOutput(*item)
+    rid, tokens, finished, reason, verify_steps, accepted, logprobs = item
+    return StepOutput(rid, tokens, finished, reason, verify_steps, list(accepted), [], logprobs)
 
 
 class MetricsRelay:
@@ -257,7 +270,7 @@ class Relay:
         self._open.clear()
         self._last_send = now
         try:
-            write_frame(self.fd, ("events", items, self.metrics.take(), self._status()))
+            write_frame(self.fd, ("events", _packed(items), self.metrics.take(), self._status()))
         except OSError:
             pass  # the HTTP process is gone; the request pipe's EOF stops this process
 

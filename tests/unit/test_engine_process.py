@@ -5,6 +5,7 @@ every test forks a real child and talks to it over the real pipes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pickle
 import signal
@@ -202,9 +203,24 @@ def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatc
     os.close(write)
     frames = [[ep._decode(item) for item in m[1]] for m in ep.read_frames(read)]
     os.close(read)
-    assert frames == [[a[0]], [StepOutput("a", [2, 3, 4, 5], True, "length", 4, [2, 1, 1], [4, 4, 4], [])],
-                      [b[0]], [b[1], b[2]]]
+    sent = [dataclasses.replace(e, budgets=[]) if isinstance(e, StepOutput) else e for e in [a[0], b[0], b[1], b[2]]]
+    assert frames == [[sent[0]], [StepOutput("a", [2, 3, 4, 5], True, "length", 4, [2, 1, 1], [], [])],
+                      [sent[1]], [sent[2], sent[3]]]  # budgets stay in the engine process
     assert a[1].new_token_ids == [2, 3] and a[1].accept_lengths == [2]  # the engine's lists untouched
+
+
+def test_accepted_lengths_travel_as_bytes_or_as_the_list_when_one_is_over_255() -> None:
+    read, write = os.pipe()
+    relay = ep.Relay(write)
+    events = [StepOutput("s", [1, 2], True, "length", 2, [1, 255, 0], [9, 9, 9], [-0.5, -0.25]),
+              StepOutput("t", [3], True, "stop", 1, [300, 2], [8, 8], [])]
+    for event in events:
+        relay.deliver([(None, event)])  # type: ignore[list-item]
+    os.close(write)
+    messages = list(ep.read_frames(read))
+    os.close(read)
+    assert isinstance(messages[0][1][0][5], bytes) and isinstance(messages[1][1][0][5], list)
+    assert [ep._decode(m[1][0]) for m in messages] == [dataclasses.replace(e, budgets=[]) for e in events]
 
 
 def test_cancel_aborts_a_running_request(engine: ep.EngineProcess) -> None:
