@@ -183,7 +183,6 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
             stamps.attach(request.scope, [job.request.request_id for job in jobs])
         pairs = submit_all(state, jobs)
         if jobs[0].stream:
-            updates = await follow_all(state, pairs)
             position = {id(reply): i for i, (_, reply) in enumerate(pairs)}
 
             async def chunks() -> AsyncIterator[bytes]:
@@ -202,7 +201,11 @@ def install_routes(app: FastAPI, state: ServerState) -> None:  # noqa: C901 - on
                     # the stream's last chunk carries [DONE] (one write, the response's end with it)
                     yield sse(chunk) + SSE_DONE if len(ended) == len(pairs) else sse(chunk)
 
-            return sse_response(state, pairs, chunks())
+            # built while the prefill runs, not after its first token has come (chunks() reads `updates` only
+            # once the response streams); a refused prefill still raises here, before anything is sent
+            response = sse_response(state, pairs, chunks())
+            updates = await follow_all(state, pairs)
+            return response
         payloads = [generate_payload(r) for r in await collect(state, pairs)]
         if stamps.ON:
             for _, reply in pairs:

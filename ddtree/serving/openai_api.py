@@ -321,7 +321,6 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             if kind == "text_completion":
                 extra["output_ids"] = list(replies[0].ids)
             return FastJSONResponse(dict(base, choices=choices, usage=_sum_usage(replies), sglext=extra))
-        updates = await follow_all(state, pairs)
         replies = [reply for _, reply in pairs]
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -354,7 +353,9 @@ def install_openai_routes(app: FastAPI, state: ServerState, read_body: Any) -> N
             if options.include_usage:
                 yield sse(dict(head, choices=[], usage=_sum_usage(replies)))
 
-        return sse_response(state, pairs, chunks())
+        response = sse_response(state, pairs, chunks())  # built while the prefill runs, as /generate's
+        updates = await follow_all(state, pairs)
+        return response
 
     def choice(r: Reply, body: _Sampling, final: bool, delta: str | None = None, from_token: int = 0) -> dict[str, Any]:
         """One choice: a whole answer (delta None), or a stream chunk with the log-probs of tokens from_token on."""

@@ -562,6 +562,25 @@ def test_draining_refuses_new_work_with_503() -> None:
     run(app, body)
 
 
+def test_a_stream_whose_prefill_is_refused_is_a_4xx_answer_not_a_stream() -> None:
+    """The SSE response is built before the first round comes, but nothing of it is sent before: a refused
+    prefill is still an error status with the JSON error, on /generate and on /v1."""
+    engine = FakeEngine()
+    app, _ = make_app(engine)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        engine.fail_add = True
+        r = await c.post("/generate", json={**gen([1, 2], max_new_tokens=4), "stream": True})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input_ids"
+        r = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "stream": True})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "input_ids"
+        engine.fail_add = False
+        r = await c.post("/generate", json={**gen([1, 2], max_new_tokens=4, ignore_eos=True), "stream": True})
+        assert r.status_code == 200 and parse_sse(r.text)[-1]["meta_info"]["completion_tokens"] == 4
+
+    run(app, body)
+
+
 def test_engine_failures_answer_with_an_error_and_the_server_recovers() -> None:
     engine = FakeEngine()
     app, _ = make_app(engine)
