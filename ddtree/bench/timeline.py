@@ -11,7 +11,7 @@ per stage: the median time since the client's send, and the median step from the
 
 The stages, in the order a streamed request meets them (a plain one has h_answer instead of the chunks):
 
-    c_send         client: the request leaves (aiohttp's post begins)
+    c_send         client: the request leaves (the pool's post begins: ddtree.bench.http_client)
     h_in           HTTP process: its first bytes read by uvicorn's protocol
     h_asgi         the /generate route begins
     h_body         the body read
