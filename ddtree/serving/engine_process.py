@@ -353,11 +353,14 @@ def read_frames(fd: int) -> Iterator[Any]:
         yield from messages
 
 
+READ_BYTES = 1 << 20  # the most one read of the request pipe takes (its size: a burst's submits in one read)
+
+
 def read_batches(fd: int) -> Iterator[list[Any]]:
     """The messages on a blocking pipe, as lists of what each read brought, until its writer closes it."""
-    reader = FrameReader()
-    while data := os.read(fd, 1 << 20):
-        if messages := reader.feed(data):
+    reader, buffer = FrameReader(), bytearray(READ_BYTES)
+    while size := os.readv(fd, [buffer]):
+        if messages := reader.feed(memoryview(buffer)[:size]):
             yield messages
 
 
@@ -367,6 +370,124 @@ def _queue(scheduler: Scheduler, relay: Relay, arrivals: list[tuple[Request, Sin
         for (request, _, _), err in zip(arrivals, scheduler.submit_many(arrivals), strict=True):
             if err is not None:
                 relay.deliver([(_no_sink, Failure(request.request_id, str(err), err.status_code, err.field))])
+
+
+class RequestPipe:
+    """The engine process's end of the request pipe: reads its messages and queues them on the Scheduler.
+
+    Two threads take turns at it (under `_reading`): the scheduler's own while it is idle (its Inbox: the
+    submit that it waits for is read, unpickled and admitted on one thread, one wake-up after the write) and
+    the main thread (`run`) while the scheduler is busy (arrivals are read while rounds run, as they come,
+    each queued with its arrival time). A wait that begins while the main thread sits in poll wakes it through
+    a pipe of its own (one write per busy-to-idle change, none per round). Reads go into one preallocated
+    buffer: os.read(fd, 1 MiB) allocated, and released, a 1 MiB bytes object a read (~20 us).
+    """
+
+    def __init__(self, fd: int, scheduler: Scheduler, relay: Relay) -> None:
+        self.fd = fd
+        self.scheduler = scheduler
+        self.relay = relay
+        self.done = False  # "stop" read, the HTTP process gone, or the pipe failed
+        self._frames = FrameReader()
+        self._buffer = bytearray(READ_BYTES)
+        self._reading = threading.Lock()  # held by the thread that polls and reads the pipe now
+        self._turn = threading.Condition()  # guards _idle and done
+        self._idle = False  # the scheduler thread reads (from its first wait until busy())
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._watched = [fd, self._wake_read]
+
+    def close(self) -> None:
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    # -- the scheduler thread (ddtree.serving.scheduler.Inbox) --------------------------------------------
+    def wait(self, timeout: float | None, changed: Callable[[], bool]) -> None:
+        with self._turn:
+            if self.done:
+                return
+            if not self._idle:
+                self._idle = True
+                self.wake()  # the main thread's select returns and it lets go of the pipe
+        with self._reading:
+            if not changed():  # else the main thread queued something after the scheduler last looked
+                self._select_and_read(timeout)
+
+    def busy(self) -> None:
+        with self._turn:
+            if self._idle:
+                self._idle = False
+                self._turn.notify_all()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"\0")
+        except OSError:
+            pass  # closed at the end
+
+    # -- the main thread -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Read while the scheduler is busy, until "stop", the pipe's EOF or a failed read."""
+        while True:
+            with self._turn:
+                while self._idle and not self.done:
+                    self._turn.wait()
+                if self.done:
+                    return
+            with self._reading:
+                with self._turn:
+                    if self._idle:
+                        continue  # the scheduler's turn began meanwhile
+                self._select_and_read(None)
+
+    # -- either, under _reading ----------------------------------------------------------------------------
+    def _select_and_read(self, timeout: float | None) -> None:
+        ready = select.select(self._watched, [], [], timeout)[0]
+        if self._wake_read in ready:
+            try:
+                os.read(self._wake_read, 4096)
+            except BlockingIOError:
+                pass
+        if self.fd not in ready or self.done:
+            return
+        try:
+            size = os.readv(self.fd, [self._buffer])
+        except OSError as err:
+            log.warning("reading requests failed (%s); stopping the engine", err)
+            self._finish()
+            return
+        if not size:
+            log.warning("the HTTP process is gone; stopping the engine")
+            self._finish()
+            return
+        self._handle(self._frames.feed(memoryview(self._buffer)[:size]))
+
+    def _handle(self, messages: list[Any]) -> None:
+        scheduler, relay = self.scheduler, self.relay
+        arrivals: list[tuple[Request, Sink, bool]] = []
+        for message in messages:
+            kind = message[0]
+            if kind == "submit":
+                _, request, counted, eager = message
+                if stamps.ON:
+                    stamps.stamp(request.request_id, "e_read")
+                relay.submitted(request.request_id, eager)
+                arrivals.append((request, _no_sink, counted))
+                continue
+            _queue(scheduler, relay, arrivals)  # what came before a cancel or a stop, first
+            arrivals = []
+            if kind == "cancel":
+                scheduler.cancel(message[1])
+            elif kind == "stop":
+                self._finish()
+                return
+        _queue(scheduler, relay, arrivals)
+
+    def _finish(self) -> None:
+        with self._turn:
+            self.done = True
+            self._turn.notify_all()
+        self.scheduler.shutdown()
 
 
 def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
@@ -404,37 +525,15 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         eos_token_id=engine.eos_token_id, max_context=engine.max_context, vocab_size=engine.vocab_size,
         context_length=context_length, device=str(device) if device is not None else "cpu",
         attention=str(getattr(engine, "attention", "")), cuda_graphs=bool(getattr(engine, "cuda_graphs", False)))))
+    pipe = RequestPipe(requests, scheduler, relay)
+    scheduler.inbox = pipe
     scheduler.start()
     try:
-        stop = False
-        for messages in read_batches(requests):
-            arrivals: list[tuple[Request, Sink, bool]] = []
-            for message in messages:
-                kind = message[0]
-                if kind == "submit":
-                    _, request, counted, eager = message
-                    if stamps.ON:
-                        stamps.stamp(request.request_id, "e_read")
-                    relay.submitted(request.request_id, eager)
-                    arrivals.append((request, _no_sink, counted))
-                    continue
-                _queue(scheduler, relay, arrivals)  # what came before a cancel or a stop, first
-                arrivals = []
-                if kind == "cancel":
-                    scheduler.cancel(message[1])
-                elif kind == "stop":
-                    stop = True
-                    break
-            _queue(scheduler, relay, arrivals)
-            if stop:
-                break
-        else:
-            log.warning("the HTTP process is gone; stopping the engine")
-    except OSError as err:
-        log.warning("reading requests failed (%s); stopping the engine", err)
+        pipe.run()
     finally:
         scheduler.stop()
         relay.flush()
+        pipe.close()
         if stamps.ON:
             stamps.dump()
 

@@ -76,6 +76,20 @@ class DecodeBatchLike(Protocol):
     def cancel(self, request_id: str) -> object: ...
 
 
+class Inbox(Protocol):
+    """Where a scheduler's arrivals come from when its own thread waits for them (the engine process's request
+    pipe, engine_process.RequestPipe): an idle thread blocks in `wait`, which reads what arrives and queues it
+    (submit_many, cancel, shutdown) on this thread. A thread asleep on the Condition instead is woken by the
+    one that queued it, after that one was woken by the pipe: two wake-ups and a GIL hand-over a request at
+    concurrency 1 where this has one."""
+
+    # until something was queued, `timeout` passed or wake(); at once where changed() (something was queued by
+    # another thread since the scheduler last looked)
+    def wait(self, timeout: float | None, changed: Callable[[], bool]) -> None: ...
+    def busy(self) -> None: ...  # the thread has work: arrivals are read elsewhere until its next wait
+    def wake(self) -> None: ...  # any thread: a wait in progress returns
+
+
 class Recorder(Protocol):
     """What the scheduler records into: ServerMetrics, or the engine process's MetricsRelay."""
 
@@ -150,6 +164,7 @@ class Scheduler:
         self._known: set[str] = set()  # ids queued or running (guarded by _cond)
         self._cancels: set[str] = set()
         self._stop = False
+        self._changes = 0  # counts what may end an idle wait: arrivals, cancels, stop (guarded by _cond)
         self._thread: threading.Thread | None = None
         self._outbox: list[tuple[Sink, Event]] = []  # this iteration's events (scheduler thread only)
         self.last_round_at = time.monotonic()
@@ -158,6 +173,7 @@ class Scheduler:
         # called on the thread once the warm-up is done, before anything is admitted: the engine process
         # freezes its heap again there, the graphs' Python objects with it (engine_process.freeze_heap)
         self.after_warm_up: Callable[[], None] | None = None
+        self.inbox: Inbox | None = None  # set before start(): the idle thread waits on it, not on the Condition
 
     # -- called from any thread ------------------------------------------------------------------
     def start(self) -> None:
@@ -168,11 +184,18 @@ class Scheduler:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left and join the thread."""
+        self.shutdown()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def shutdown(self) -> None:
+        """stop() without the join: the thread aborts whatever is left and ends (any thread, its own too)."""
         with self._cond:
             self._stop = True
+            self._changes += 1
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self.inbox is not None:
+            self.inbox.wake()
 
     @property
     def alive(self) -> bool:
@@ -202,6 +225,7 @@ class Scheduler:
                                                  in_burst=now - self._last_arrival < self.burst_gap_s))
                     self._last_arrival = now
                     errors.append(None)
+            self._changes += 1
             self._cond.notify_all()
         return errors
 
@@ -216,6 +240,7 @@ class Scheduler:
             else:
                 if request_id in self._known:
                     self._cancels.add(request_id)
+                    self._changes += 1
                     self._cond.notify_all()
                 return
         if ticket.counted:
@@ -242,6 +267,13 @@ class Scheduler:
 
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self.inbox is not None:
+                self.inbox.busy()  # however the loop ended, arrivals are read elsewhere again
+
+    def _serve(self) -> None:
         """The loop. Each iteration: take the cancels and the arrivals, launch a round, hand out the round
         before it, collect the new one (held until the next iteration).
 
@@ -259,13 +291,23 @@ class Scheduler:
         split = launch is not None and collect is not None
         held: tuple[list[StepOutput], float] | None = None  # the last round's outputs, and its seconds
         load = None
+        inbox = self.inbox
         while True:
+            waited = False  # on the inbox: this thread read the arrivals, and hands the reading back after them
             with cond:
                 while True:
                     take, hold = self._admission(time.perf_counter()) if pending else (0, 0.0)
                     if self._stop or self._cancels or held or self._running or take:
                         break  # with a burst held, the rows' rounds still run while it gathers
-                    cond.wait(hold or None)
+                    if inbox is None:
+                        cond.wait(hold or None)
+                        continue
+                    waited, changes = True, self._changes
+                    cond.release()  # what the inbox reads is queued through submit_many / cancel, under cond
+                    try:
+                        inbox.wait(hold or None, lambda seen=changes: self._changes != seen)
+                    finally:
+                        cond.acquire()
                 if self._stop:
                     break
                 cancels = admit = None
@@ -282,6 +324,8 @@ class Scheduler:
             if admit:
                 self._admit_all(admit)
                 self._flush()  # first tokens leave before the round, not after it (TTFT)
+            if waited:
+                inbox.busy()  # type: ignore[union-attr]  # after the first tokens: the reader's wake-up waits for them
             started = time.perf_counter()
             launched = batch.active > 0
             if launched and split:
