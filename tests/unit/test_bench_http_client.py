@@ -84,6 +84,10 @@ def make_app(seen: Seen) -> Callable[..., Any]:
             await send({"type": "http.response.body", "body": text})
         elif path == "/hang":
             await asyncio.sleep(30)
+        elif path == "/generate":  # a plain SGLang answer
+            answer = b'{"text": "", "output_ids": [4, 5], "meta_info": {"completion_tokens": 2}}'
+            await start(headers=[(b"content-length", str(len(answer)).encode())])
+            await send({"type": "http.response.body", "body": answer})
         else:
             await start(404, [(b"content-length", b"0")])
             await send({"type": "http.response.body", "body": b""})
@@ -410,7 +414,8 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_https_through_the_loops_tls_with_certificate_checks(certificate: tuple[Path, Path]) -> None:
+def test_https_through_the_loops_tls_with_certificate_checks(certificate: tuple[Path, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     cert, key = certificate
     with serve(ssl_certfile=str(cert), ssl_keyfile=str(key)) as (url, seen, _):
         assert url.startswith("https://")
@@ -426,3 +431,11 @@ def test_https_through_the_loops_tls_with_certificate_checks(certificate: tuple[
         assert seen.connections == 1
         with pytest.raises(ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             run(main(ssl.create_default_context()))  # the system's CAs do not know this certificate
+
+        # the load generator: https gets loadgen.tls_verify's context (the system's CAs), then one that knows it
+        (refused,) = loadgen.run_load(url, [[1]], concurrency=1, max_new_tokens=2, timeout_s=10, stream=False)
+        assert not refused.ok and refused.error is not None and "CERTIFICATE_VERIFY_FAILED" in refused.error
+        assert refused.error.startswith("connection error: ")
+        monkeypatch.setattr(loadgen, "_default_tls", lambda: trusted)
+        (answered,) = loadgen.run_load(url, [[1]], concurrency=1, max_new_tokens=2, timeout_s=10, stream=False)
+        assert answered.ok and answered.output_ids == [4, 5], answered.error
