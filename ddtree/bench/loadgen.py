@@ -277,22 +277,26 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
                        seed: int | None, timeline: bool = False) -> list[RequestRecord]:
     """(index, prompt) pairs, `concurrency` in flight from one client; the index picks the seed."""
     path = split_url(base_url).path.rstrip("/") + "/generate"
-    gate = asyncio.Semaphore(concurrency)
-    # the gate bounds the pool: at most `concurrency` connections, each reused while the server keeps it
+    records: list[RequestRecord] = [RequestRecord(ok=False)] * len(items)
+    queue = iter(enumerate(items))
+    # `concurrency` senders, each taking the next prompt as soon as its request has ended: the closed loop
+    # without a semaphore's hand-over (a loop turn between one request's end and the next one's send), and so
+    # at most `concurrency` connections, each reused while the server keeps it
     async with ConnectionPool(base_url, ssl=tls_verify(base_url)) as pool:
 
-        async def gated(i: int, prompt: Sequence[int]) -> RequestRecord:
-            sampling: dict[str, Any] = {
-                "max_new_tokens": max_new_tokens,
-                "temperature": temperature,
-                "ignore_eos": ignore_eos,
-            }
-            if seed is not None:
-                sampling["seed"] = seed + i
-            async with gate:
-                return await _one(pool, path, prompt, sampling, stream, timeout_s, timeline)
+        async def sender() -> None:
+            for k, (i, prompt) in queue:
+                sampling: dict[str, Any] = {
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": temperature,
+                    "ignore_eos": ignore_eos,
+                }
+                if seed is not None:
+                    sampling["seed"] = seed + i
+                records[k] = await _one(pool, path, prompt, sampling, stream, timeout_s, timeline)
 
-        return list(await asyncio.gather(*(gated(i, p) for i, p in items)))
+        await asyncio.gather(*(sender() for _ in range(min(concurrency, len(items)))))
+    return records
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
