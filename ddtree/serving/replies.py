@@ -169,7 +169,10 @@ class Reply:
         """Decode the ids that have come while running (with a concatenative codec, whose text of them stays exact):
         a plain answer then decodes only its last event's ids when it finishes, not the whole output."""
         if not self.progress.finished:
-            self._running_text.extend(self.progress.output_ids)
+            try:
+                self._running_text.extend(self.progress.output_ids)
+            except Exception:  # called from the events' dispatch, which serves every request: the finish's
+                pass  # update decodes these ids again and fails this request alone, as it would without this
 
     def decode(self, ids: list[int]) -> str:
         if self._codec is None:

@@ -237,6 +237,43 @@ def test_a_byte_level_codec_s_answers_are_the_exact_text_plain_and_streamed() ->
     run(app, body)
 
 
+def test_a_plain_answer_whose_ids_do_not_decode_fails_alone() -> None:
+    """A plain answer's text is decoded as its events arrive, in the dispatch that serves every request: a decode
+    that raises there must not keep the round's other requests from their events; it fails its own request,
+    when it finishes, as it did before."""
+    from pathlib import Path
+
+    from ddtree.text import load_tokenizer
+
+    fixture = load_tokenizer(Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target")
+    assert fixture is not None
+    engine = FakeEngine(vocab_size=300)
+    engine.step_delay = 0.002
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+    first, second = expected([1, 2], engine, **params)[0], expected([3, 4, 5], engine, **params)[0]
+    bad = next(t for t in first[5:] if t not in second)
+
+    class Breaking(TextCodec):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            if bad in token_ids:
+                raise OverflowError("an id the tokenizer cannot decode")
+            return super().decode(token_ids, skip_special_tokens)
+
+    codec = Breaking(fixture.tokenizer)
+    assert codec.concatenative
+    app, _ = make_app(engine, codec=codec)
+
+    async def body(c: httpx.AsyncClient) -> None:
+        failing = asyncio.create_task(c.post("/generate", json=gen([1, 2], **params)))
+        await asyncio.sleep(0.01)  # its row first in every round: the other's events come after its own
+        r = await c.post("/generate", json=gen([3, 4, 5], **params))
+        assert r.status_code == 200 and r.json()["output_ids"] == second and r.json()["text"] == codec.decode(second)
+        with pytest.raises(OverflowError):
+            await failing
+
+    run(app, body)
+
+
 def test_batched_input_returns_a_list_in_order() -> None:
     app, engine = make_app()
     prompts = [[1, 2], [3, 4, 5], [6]]
