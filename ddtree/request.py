@@ -6,8 +6,11 @@ any forward) and `emit` (stop tokens and max_new_tokens cut what a round commits
 
 from __future__ import annotations
 
+import array
+import struct
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ddtree.errors import RequestError
 
@@ -31,10 +34,32 @@ class Request:
     min_new_tokens: int = 0  # stop tokens (EOS included) cannot be chosen before this many new tokens
     return_logprob: bool = False  # StepOutput.logprobs: the target's log-prob of each committed token
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (the server's submit to the engine process) as its fields, the prompt as packed C ints where
+        every id fits one: a bytes object instead of an int a token. 1024 ids at concurrency 1 on 2 cores:
+        submit to admitted ~0.30 -> ~0.27 ms (the unpickling's share ~105 -> ~80 us)."""
+        ids = self.prompt_ids
+        try:
+            packed: bytes | list[int] = struct.pack(f"{len(ids)}i", *ids)
+        except struct.error:  # an id past a C int (or not an int): the list as it is
+            packed = ids
+        return _unpickle_request, (self.request_id, packed, *[getattr(self, name) for name in _REQUEST_FIELDS[2:]])
+
     @property
     def filtered(self) -> bool:
         """Whether sampling truncates the distribution (greedy never does: truncation keeps the argmax)."""
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(Request))
+
+
+def _unpickle_request(request_id: str, prompt: bytes | list[int], *rest: Any) -> Request:
+    if isinstance(prompt, bytes):
+        ids = array.array("i")
+        ids.frombytes(prompt)
+        prompt = ids.tolist()
+    return Request(request_id, prompt, *rest)
 
 
 @dataclass
