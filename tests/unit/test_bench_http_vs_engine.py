@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 from pathlib import Path
 
@@ -17,6 +18,15 @@ from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, 
 from ddtree.serving.state import RequestStream
 
 AR = SpecConfig.from_id("ar")
+
+
+@pytest.fixture(autouse=True)
+def _temporary_folders_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's own temporary folders (the servers' logs without --out) go under the test's tmp_path,
+    not the machine's /tmp, where every run of the suite would leave two."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
 
 
 def emulated(max_batch: int = 8, tokens: int = 1) -> hve.EmulatedBatch:
