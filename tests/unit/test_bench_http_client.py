@@ -22,6 +22,7 @@ import uvicorn
 from ddtree.bench import loadgen
 from ddtree.bench.http_client import ConnectError, ConnectionClosed, ConnectionPool
 from ddtree.errors import ConfigError
+from tests.unit.threaded_uvicorn import uvicorn_in_thread
 
 BODY = bytes(range(256)) * 400  # 100 kB: several reads
 
@@ -99,26 +100,13 @@ def make_app(seen: Seen) -> Callable[..., Any]:
 def serve(**config: Any) -> Iterator[tuple[str, Seen, uvicorn.Server]]:
     """uvicorn (httptools, asyncio's loop) in a thread on a free port; the URL, what it saw, the server."""
     seen = Seen()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     scheme = "https" if "ssl_certfile" in config else "http"
-    server = uvicorn.Server(uvicorn.Config(make_app(seen), log_level="error", lifespan="off", ws="none",
-                                           http="httptools", timeout_graceful_shutdown=1, **config))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start in 10 s"
-            time.sleep(0.02)
-        yield f"{scheme}://127.0.0.1:{port}", seen, server
-    finally:
-        seen.go.set()
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with uvicorn_in_thread(make_app(seen), ws="none", http="httptools", timeout_graceful_shutdown=1,
+                           **config) as (port, server):
+        try:
+            yield f"{scheme}://127.0.0.1:{port}", seen, server
+        finally:
+            seen.go.set()  # before the server stops: held responses end
 
 
 @pytest.fixture(scope="module")

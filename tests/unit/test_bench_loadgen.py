@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ddtree.bench import loadgen
 from ddtree.bench.loadgen import RequestRecord, run_load, run_requests
 from ddtree.errors import ConfigError
+from tests.unit.threaded_uvicorn import uvicorn_in_thread
 
 FAIL_TOKEN = 666  # a prompt starting with it gets HTTP 500
 HANG_TOKEN = 777  # a prompt starting with it never answers
@@ -130,25 +130,8 @@ def make_app(state: FakeState) -> FastAPI:
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[tuple[str, FakeState]]:
     state = FakeState()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(make_app(state), log_level="error", lifespan="off", ws="none",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "fake server did not start in 10 s"
-            time.sleep(0.02)
+    with uvicorn_in_thread(make_app(state), ws="none", timeout_graceful_shutdown=1) as (port, _):
         yield f"http://127.0.0.1:{port}", state
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from typing import Any
 
 import httpx
-import uvicorn
 
 from ddtree.server import _HeadWithBody, http_protocol
+from tests.unit.threaded_uvicorn import uvicorn_in_thread
 
 
 class FakeTransport:
@@ -85,22 +82,8 @@ def test_the_protocol_serves_plain_and_chunked_answers_over_one_connection() -> 
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, http=http_protocol(), lifespan="off", log_level="error"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    with uvicorn_in_thread(app, http=http_protocol()) as (port, _):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False) as client:
             for _ in range(3):
                 assert client.get("/plain").text == "ok"
                 assert client.post("/stream", content=b"x").text == "abc"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
