@@ -92,6 +92,7 @@ class SchedulerFactory(Protocol):
 def _encode(event: Event) -> tuple[Any, ...] | list[Any]:
     # tuples/lists, not the dataclasses: pickling a dataclass costs ~5x its fields'. No budgets: nothing on the
     # HTTP side reads them (/server_info's come with the status), and a plain request's last frame held ~80
+    # rounds of them as one more list of ints to pickle and unpickle
     if isinstance(event, Failure):
         return (event.request_id, event.message, event.status_code, event.field)
     return [event.request_id, event.new_token_ids, event.finished, event.finish_reason, event.verify_steps,
