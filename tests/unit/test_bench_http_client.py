@@ -247,7 +247,9 @@ def test_a_request_cut_by_a_timeout_closes_its_connection(fresh: tuple[str, Seen
             return waited, pool.connections_opened
 
     waited, opened = run(main())
-    assert 0.3 <= waited < 5 and opened == 2 and seen.connections == 2
+    # uvloop keeps its loop time in whole milliseconds, so by time.monotonic the 0.3 s timer may fire a
+    # little early; the bound only says the request hung until the timeout cut it
+    assert 0.25 <= waited < 5 and opened == 2 and seen.connections == 2
 
 
 def test_a_refused_connection_is_a_connect_error() -> None:
