@@ -192,7 +192,8 @@ def test_failures_are_recorded_not_raised(server: tuple[str, FakeState]) -> None
     assert [r.ok for r in records] == [True, False, False, True]
     assert records[1].error is not None and "HTTP 500" in records[1].error and "boom" in records[1].error
     assert records[2].error is not None and "timeout" in records[2].error
-    assert records[2].e2e_s is not None and records[2].e2e_s >= 1.0
+    # the hung request ran until its timeout cut it; uvloop's millisecond clock may fire the timer a little early
+    assert records[2].e2e_s is not None and records[2].e2e_s >= 0.95
 
 
 def test_events_split_across_reads_and_a_stream_cut_short(server: tuple[str, FakeState]) -> None:
