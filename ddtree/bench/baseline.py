@@ -12,8 +12,8 @@ A cell is the same (config id, context, concurrency) on both sides. For each jud
     same       otherwise (inside the tolerance, or inside the noise)
 
 A side's spread is the range of its repeats (median ± MAD when the per-repeat values are gone).
-For tok/s it is widened to at least ± NOISE_SIGMAS x the pair's noise, the larger of two
-estimates of one side's relative sigma:
+For tok/s it is widened to at least median x/÷ exp(NOISE_SIGMAS x the pair's noise), the larger of
+two estimates of one side's relative sigma (of log tok/s):
 
     within   the baseline's typical repeat-to-repeat noise: 1.4826 x the median over its cells of
              MAD / median (the normal-consistent sigma of a MAD)
@@ -191,10 +191,13 @@ def spread_of(cell: CellResult, metric: str, noise: float) -> Spread | None:
     else:
         mad = float(cell.metrics.get(f"{metric}_mad") or 0.0)
         lo, hi, how = median - mad, median + mad, f"MAD {mad:.3g}"
-    half = NOISE_SIGMAS * noise * median
-    if median - half < lo or median + half > hi:
-        lo, hi = min(lo, median - half), max(hi, median + half)
-        how += f", widened to the pair's noise ±{NOISE_SIGMAS * noise:.0%}"
+    # the noise is a relative sigma of log(tok/s) (speed varies by factors), so the interval it allows is a
+    # factor either way: with a sigma of 50% (a loaded machine), 1 - 2 sigma would reach zero and let a 1000x
+    # drop overlap
+    factor = math.exp(NOISE_SIGMAS * noise)
+    if median / factor < lo or median * factor > hi:
+        lo, hi = min(lo, median / factor), max(hi, median * factor)
+        how += f", widened to the pair's noise x/÷{factor:.2f}"
     return Spread(median, lo, hi, how)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def test_tight_repeats_in_a_noisy_run_are_widened_to_the_run_s_noise(tmp_path: P
     comparison = compare_runs(write_run(tmp_path / "now", now), base)
     delta = comparison.cells[(DEFAULT, 60, 1)].of("output_throughput")
     assert delta is not None and delta.overlap and comparison.ok
-    assert delta.baseline.lo == pytest.approx(100.0 * (1 - NOISE_SIGMAS * noise))
+    assert delta.baseline.lo == pytest.approx(100.0 / math.exp(NOISE_SIGMAS * noise))
     assert "widened to the pair's noise" in delta.text()
 
 
@@ -227,7 +228,7 @@ def test_every_cell_slower_inside_its_own_noise_fails_as_a_shift_naming_the_cell
     base = write_run(tmp_path / "base", noisy_run())
     slower = [0.75, 0.78, 0.72, 0.76, 0.74, 0.77, 0.75, 0.73]
     comparison = compare_runs(write_run(tmp_path / "now", noisy_run(slower)), base)
-    assert comparison.regressed == []  # no single cell leaves its spread (+-15% repeats, +-32% widened)
+    assert comparison.regressed == []  # no single cell leaves its spread (+-15% repeats, widened x/÷1.38)
     shift = comparison.shifts[0]
     assert shift.name == "all cells" and shift.verdict == "regressed" and shift.ratio == pytest.approx(0.75, abs=0.01)
     assert not comparison.ok
@@ -249,3 +250,14 @@ def test_cells_scattered_both_ways_widen_the_spreads_and_pass(tmp_path: Path) ->
     quiet = [0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     alone = compare_runs(write_run(tmp_path / "alone", noisy_run(quiet, spread=0.02)), base)
     assert [d.key for d in alone.regressed] == [(DEFAULT, 60, 1)]
+
+
+def test_a_thousandfold_drop_regresses_each_cell_even_in_a_run_as_noisy_as_a_loaded_machine(tmp_path: Path) -> None:
+    """Repeats +-60% apart (a sigma near 0.9): the widened spreads are factors either way, so they never
+    reach zero and every cell of a 1000x slower run leaves its spread (1 - 2 sigma would have let them overlap)."""
+    base = write_run(tmp_path / "base", noisy_run(spread=0.6))
+    now = write_run(tmp_path / "now", noisy_run([0.001] * 8, spread=0.6))
+    comparison = compare_runs(now, base)
+    assert comparison.noise > 0.5
+    assert len(comparison.regressed) == 8 and not comparison.ok
+    assert "spreads do not overlap" in comparison.regressed[0].of("output_throughput").text()
