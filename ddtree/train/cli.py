@@ -82,6 +82,9 @@ def _add_rollout_spec(p: argparse.ArgumentParser, num_default: int, batch_flag: 
     g.add_argument("--prompt-len-max", type=int, default=1024)
     g.add_argument("--gen-len", type=int, default=128, help="greedy tokens generated per prompt")
     g.add_argument(batch_flag, dest="rollout_batch_size", type=int, default=256, help="prompts per engine batch")
+    g.add_argument("--prompt-lengths", choices=("per-batch", "per-sequence"), default="per-batch",
+                   help="draw a prompt length per engine batch (no padding), or per sequence (batches of "
+                        "neighbouring lengths, right-padded, run in random order)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +238,7 @@ def _rollout_spec(args: argparse.Namespace, time_budget_s: float | None) -> obje
     return RolloutSpec(
         num=args.num, prompt_len_min=args.prompt_len_min, prompt_len_max=args.prompt_len_max, gen_len=args.gen_len,
         batch_size=args.rollout_batch_size, seed=args.seed, time_budget_s=time_budget_s,
+        prompt_lengths=args.prompt_lengths,
     )
 
 

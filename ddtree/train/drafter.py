@@ -272,32 +272,44 @@ def init_from_target(drafter: Any, target: Any) -> list[int]:
 
 
 # what a fine-tune may change against the drafter it starts from: the weights carry over unchanged
-_GROWABLE_FIELDS = ("num_hidden_layers", "layer_types", "block_size", "sliding_window")
+_GROWABLE_FIELDS = ("num_hidden_layers", "layer_types", "block_size", "sliding_window", "target_layer_ids")
 
 
 def init_from_drafter(drafter: Any, start: Any, where: str) -> list[int]:
     """Load `start`'s weights into `drafter`; return the indices of the layers it adds (grown).
 
-    The two may differ in block size, window and depth (the new drafter at least as deep). Layers
-    past start's begin random with their attention output and MLP down projections zeroed, so
-    their residual branches add nothing: the grown drafter starts out computing what `start` does.
+    The two may differ in block size, window, depth (the new drafter at least as deep) and taps (the new
+    target_layer_ids holding every one of start's). Layers past start's begin random with their attention
+    output and MLP down projections zeroed, so their residual branches add nothing, and the fusion's columns
+    of a tap start has not are zeroed, so the tap adds nothing: the grown drafter starts out computing what
+    `start` does.
     """
     a, b = start.config, drafter.config
     other = [f for f in type(a).__dataclass_fields__ if f not in _GROWABLE_FIELDS and getattr(a, f) != getattr(b, f)]
-    if other or b.num_hidden_layers < a.num_hidden_layers:
+    old_taps, new_taps = list(a.target_layer_ids), list(b.target_layer_ids)
+    if other or b.num_hidden_layers < a.num_hidden_layers or not set(old_taps) <= set(new_taps):
         what = ", ".join(f"{f} {getattr(a, f)} -> {getattr(b, f)}" for f in other) or (
-            f"num_hidden_layers {a.num_hidden_layers} -> {b.num_hidden_layers} (fewer)")
+            f"num_hidden_layers {a.num_hidden_layers} -> {b.num_hidden_layers} (fewer)"
+            if b.num_hidden_layers < a.num_hidden_layers else
+            f"target_layer_ids {old_taps} -> {new_taps} (drops {sorted(set(old_taps) - set(new_taps))})")
         raise ConfigError(f"init_from: {where} does not fit the drafter being trained ({what}); only more layers, "
-                          "another block size or window may differ")
-    missing, unexpected = drafter.load_state_dict(start.state_dict(), strict=False)
+                          "more taps, another block size or window may differ")
+    state = start.state_dict()
+    fc = state.pop("fc.weight")  # [D, T_old * D]: one block of columns per tap, in target_layer_ids' order
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
     if unexpected:
         raise ConfigError(f"init_from: {where} has weights the drafter lacks: {unexpected[:4]}")
     grown = list(range(a.num_hidden_layers, b.num_hidden_layers))
+    width = a.hidden_size
     with torch.no_grad():
+        drafter.fc.weight.zero_()
+        for i, tap in enumerate(old_taps):
+            j = new_taps.index(tap)
+            drafter.fc.weight[:, j * width:(j + 1) * width].copy_(fc[:, i * width:(i + 1) * width])
         for i in grown:
             drafter.layers[i].self_attn.o_proj.weight.zero_()
             drafter.layers[i].mlp.down_proj.weight.zero_()
-    left = [k for k in missing if not any(k.startswith(f"layers.{i}.") for i in grown)]
+    left = [k for k in missing if k != "fc.weight" and not any(k.startswith(f"layers.{i}.") for i in grown)]
     if left:
         raise ConfigError(f"init_from: {where} lacks weights the drafter needs: {left[:4]}")
     return grown
@@ -345,9 +357,11 @@ def train_drafter(
     drafter = init_drafter(config, target, seed=opts.seed).to(torch.float32)
     copied = init_from_target(drafter, target) if shape.init == "target" else []
     grown: list[int] = []
+    added_taps: list[int] = []
     if shape.init_from is not None:
         start = load_drafter(shape.init_from, target, device=device, dtype=torch.float32)
         grown = init_from_drafter(drafter, start, shape.init_from)
+        added_taps = [t for t in config.target_layer_ids if t not in start.config.target_layer_ids]
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     optimizer = make_optimizer(list(drafter.named_parameters()), opts, device)
@@ -421,6 +435,7 @@ def train_drafter(
         "shape": asdict(shape) | {"target_layer_ids": list(config.target_layer_ids)},
         "init_copied_target_layers": copied,
         "init_grown_layers": grown,
+        "init_added_taps": added_taps,
         "label": label,
         "rollouts": roll_info,
         "parameters": n_params,
@@ -465,6 +480,9 @@ def drafter_card(s: dict[str, Any], manifest: dict[str, Any]) -> str:
         if s.get("init_grown_layers"):
             init += (f"; layers {s['init_grown_layers']} added, random with their attention output and MLP down "
                      "projections zeroed, so training starts from the smaller drafter's outputs")
+        if s.get("init_added_taps"):
+            init += (f"; target layers {s['init_added_taps']} added to the taps, their columns of the fusion (fc) "
+                     "zeroed, so training starts from the drafter's outputs without them")
         origin = f"fine-tuned from the drafter in `{sh['init_from']}`"
     gamma_note = f"exp(-(k-1)/{sh['gamma']:g})"
     label_note = label_description(s.get("label", "data"))

@@ -24,10 +24,11 @@ import torch
 
 from ddtree.errors import ConfigError
 from ddtree.train.card import environment, write_json
-from ddtree.train.corpus import load_tokens, read_manifest
+from ddtree.train.corpus import EOT_ID, load_tokens, read_manifest
 
 ROLLOUTS_NPZ = "rollouts.npz"
 ROLLOUTS_JSON = "rollouts.json"
+PROMPT_LENGTHS = ("per-batch", "per-sequence")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class RolloutSpec:
     batch_size: int = 256
     seed: int = 0
     time_budget_s: float | None = None  # stop between batches and save what exists
+    # "per-batch": one prompt length drawn per engine batch (no padding); "per-sequence": one per sequence,
+    # the sequences sorted by length into batches of near-equal lengths (right-padded), run in random order
+    prompt_lengths: str = "per-batch"
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, float, float, float]] = [
@@ -55,6 +59,8 @@ class RolloutSpec:
                 raise ConfigError(f"{name}: {value} is outside [{lo}, {hi}]")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"time_budget_s: {self.time_budget_s} must be > 0 (or unset)")
+        if self.prompt_lengths not in PROMPT_LENGTHS:
+            raise ConfigError(f"prompt_lengths: {self.prompt_lengths!r} is not one of {PROMPT_LENGTHS}")
 
 
 @dataclass
@@ -82,15 +88,16 @@ class Rollouts:
                    np.array([len(g) for g in gens], dtype=np.int32))
 
     @classmethod
-    def from_batches(cls, batches: list[tuple[np.ndarray, np.ndarray]]) -> Rollouts:
-        """(prompts[rows, n], generated[rows, g]) blocks, one prompt length per block."""
+    def from_batches(cls, batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Rollouts:
+        """(prompts[rows, n], generated[rows, g], prompt lengths[rows]) blocks: row i's prompt is its first
+        lengths[i] tokens (the rest is padding)."""
         if not batches:
             return cls.from_lists([], [])
-        flat = np.concatenate([np.concatenate([p, g], axis=1).ravel() for p, g in batches]).astype(np.uint16)
-        lens = np.concatenate([np.full(p.shape[0], p.shape[1] + g.shape[1], dtype=np.int64) for p, g in batches])
-        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        prompt_lens = np.concatenate([np.full(p.shape[0], p.shape[1], dtype=np.int32) for p, g in batches])
-        gen_lens = np.concatenate([np.full(g.shape[0], g.shape[1], dtype=np.int32) for p, g in batches])
+        flat = np.concatenate([np.concatenate([p[i, :n], g[i]]) for p, g, lens in batches
+                               for i, n in enumerate(lens.tolist())]).astype(np.uint16)
+        prompt_lens = np.concatenate([lens for _, _, lens in batches]).astype(np.int32)
+        gen_lens = np.concatenate([np.full(g.shape[0], g.shape[1], dtype=np.int32) for _, g, _ in batches])
+        offsets = np.concatenate([[0], np.cumsum(prompt_lens.astype(np.int64) + gen_lens)]).astype(np.int64)
         return cls(flat, offsets, prompt_lens, gen_lens)
 
     def save(self, out_dir: Path) -> None:
@@ -118,8 +125,10 @@ PREFILL_ELEMENTS = 1 << 27
 
 
 @torch.no_grad()
-def greedy_continue(target: Any, prompts: torch.Tensor, gen_len: int, chunk: int = 512) -> torch.Tensor:
-    """prompts[B, L] long (one length for the batch) -> the target's greedy continuations [B, gen_len] (CPU).
+def greedy_continue(target: Any, prompts: torch.Tensor, gen_len: int, chunk: int = 512,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """prompts[B, L] long -> the target's greedy continuations [B, gen_len] (CPU). With `lengths` [B], row b's
+    prompt is its first lengths[b] tokens (right padding after them is never attended to); without, all L.
 
     Plain greedy decoding straight on the target's KV cache: the prefill runs in chunks of rows and
     tokens so its attention mask stays small, then one forward per generated token for the whole
@@ -130,28 +139,48 @@ def greedy_continue(target: Any, prompts: torch.Tensor, gen_len: int, chunk: int
     bs, n = prompts.shape
     dev = target.device
     prompts = prompts.to(dev)
+    lens = (torch.full((bs,), n) if lengths is None else lengths.to(torch.long)).to(dev)
     cache = target.new_cache(bs, n + gen_len)
     rows = max(1, min(bs, PREFILL_ELEMENTS // (chunk * (n + gen_len))))
-    last = torch.empty(bs, dtype=torch.long, device=dev)
+    last = torch.zeros(bs, dtype=torch.long, device=dev)
     for r0 in range(0, bs, rows):
         part = cache.rows(r0, min(bs, r0 + rows))
+        ends = lens[r0 : r0 + part.batch] - 1  # each row's last prompt position: its first token comes from there
         for c0 in range(0, n, chunk):
             ids = prompts[r0 : r0 + part.batch, c0 : c0 + chunk]
             q = ids.shape[1]
             pos = torch.arange(c0, c0 + q, device=dev)[None, :].expand(part.batch, q)
             logits, _ = target.forward(ids, pos, part, kv_len_hint=c0 + q,
-                                       logit_positions=torch.full((part.batch, 1), q - 1, device=dev))
+                                       logit_positions=(ends - c0).clamp(0, q - 1)[:, None])
             part.advance(torch.full((part.batch,), q, device=dev))
-        last[r0 : r0 + part.batch] = logits[:, -1].argmax(-1)
+            here = (ends >= c0) & (ends < c0 + q)
+            last[r0 : r0 + part.batch] = torch.where(here, logits[:, -1].argmax(-1), last[r0 : r0 + part.batch])
+    cache.lengths.copy_(lens)  # a padded row goes on from its own end; its padding's slots are overwritten
     out = torch.empty(bs, gen_len, dtype=torch.long, device=dev)
     out[:, 0] = last
     one = torch.ones(bs, dtype=torch.long, device=dev)
     for t in range(1, gen_len):
-        pos = torch.full((bs, 1), n + t - 1, dtype=torch.long, device=dev)
+        pos = (lens + t - 1)[:, None]
         logits, _ = target.forward(out[:, t - 1 : t], pos, cache, kv_len_hint=n + t)
         cache.advance(one)
         out[:, t] = logits[:, -1].argmax(-1)
     return out.cpu()
+
+
+def _groups(spec: RolloutSpec, rng: np.random.Generator, hi: int) -> list[np.ndarray]:
+    """Prompt lengths of the engine batches, in the order they run. "per-batch": one length per batch, drawn
+    as it starts (a function of the batches run so far, so `num` and the budget decide the draws).
+    "per-sequence": spec.num lengths sorted into batches of neighbours (batch_size rows, KV_TOKENS_PER_BATCH
+    slots at the batch's longest), shuffled so that a run stopped by its time budget still spans the range."""
+    lens = np.sort(rng.integers(spec.prompt_len_min, hi + 1, size=spec.num))
+    groups, i = [], 0
+    while i < lens.size:
+        rows = min(spec.batch_size, lens.size - i)
+        while rows > 1 and rows * (int(lens[i + rows - 1]) + spec.gen_len) > KV_TOKENS_PER_BATCH:
+            rows -= 1
+        groups.append(lens[i : i + rows])
+        i += rows
+    return [groups[k] for k in rng.permutation(len(groups))]
 
 
 def generate_rollouts(
@@ -159,18 +188,20 @@ def generate_rollouts(
 ) -> tuple[Rollouts, dict[str, Any]]:
     """Greedy (T=0, EOS ignored) continuations by `target` of spec.num random windows of `tokens`.
 
-    Each batch draws one prompt length uniform in [prompt_len_min, prompt_len_max] and random starts,
-    so its rows need no padding; a batch holds at most spec.batch_size rows and KV_TOKENS_PER_BATCH slots.
+    Prompt lengths are uniform in [prompt_len_min, prompt_len_max], one per batch or one per sequence
+    (spec.prompt_lengths, see _groups), at random starts; a batch holds at most spec.batch_size rows and
+    KV_TOKENS_PER_BATCH slots.
     """
     rng = np.random.default_rng(spec.seed)
     hi = min(spec.prompt_len_max, int(tokens.size) - 1)
     if hi < spec.prompt_len_min:
         raise ConfigError(f"prompt_len_min: {spec.prompt_len_min} exceeds the {tokens.size} tokens of the data")
-    batches: list[tuple[np.ndarray, np.ndarray]] = []  # (prompts[rows, n], generated[rows, gen_len]) uint16
+    batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (prompts[rows, n], generated, lengths[rows])
     done = 0
     t0 = time.perf_counter()
     last_batch_s = 0.0
     stopped_early = False
+    groups = _groups(spec, rng, hi) if spec.prompt_lengths == "per-sequence" else None
     while done < spec.num:
         elapsed = time.perf_counter() - t0
         # a batch that would not finish inside the budget is not started
@@ -179,16 +210,26 @@ def generate_rollouts(
             print(f"[rollouts] time budget: stopping after {done} of {spec.num} sequences", file=stream, flush=True)
             break
         tb = time.perf_counter()
-        n = int(rng.integers(spec.prompt_len_min, hi + 1))
-        rows = max(1, min(spec.batch_size, spec.num - done, KV_TOKENS_PER_BATCH // (n + spec.gen_len)))
-        starts = rng.integers(0, tokens.size - n + 1, size=rows)
-        batch = np.stack([np.asarray(tokens[s : s + n], dtype=np.int64) for s in starts])
-        out = greedy_continue(target, torch.from_numpy(batch), spec.gen_len)
-        batches.append((batch.astype(np.uint16), out.numpy().astype(np.uint16)))
+        if groups is not None:
+            lens = groups[len(batches)]
+            n, rows = int(lens.max()), lens.size
+        else:
+            n = int(rng.integers(spec.prompt_len_min, hi + 1))
+            rows = max(1, min(spec.batch_size, spec.num - done, KV_TOKENS_PER_BATCH // (n + spec.gen_len)))
+            lens = np.full(rows, n)
+        # per batch: the draws of the one-length batches as they always were (a card's command reproduces them)
+        starts = rng.integers(0, tokens.size - n + 1, size=rows) if groups is None else rng.integers(0, tokens.size - lens + 1)
+        batch = np.full((rows, n), EOT_ID, dtype=np.int64)
+        for row, (start, length) in enumerate(zip(starts.tolist(), lens.tolist())):
+            batch[row, :length] = tokens[start : start + length]
+        ragged = None if groups is None else torch.from_numpy(lens.astype(np.int64))
+        out = greedy_continue(target, torch.from_numpy(batch), spec.gen_len, lengths=ragged)
+        batches.append((batch.astype(np.uint16), out.numpy().astype(np.uint16), lens.astype(np.int32)))
         done += rows
         last_batch_s = time.perf_counter() - tb
         gen_tps = rows * spec.gen_len / max(last_batch_s, 1e-9)
-        print(f"[rollouts] {done}/{spec.num} sequences (batch {rows} x {n}+{spec.gen_len}), "
+        shape = f"{rows} x {n}" if groups is None else f"{rows} x {int(lens.min())}..{n}"
+        print(f"[rollouts] {done}/{spec.num} sequences (batch {shape}+{spec.gen_len}), "
               f"{gen_tps:,.0f} generated tok/s, elapsed {time.perf_counter() - t0:.0f}s", file=stream, flush=True)
     rollouts = Rollouts.from_batches(batches)
     info = {
@@ -279,8 +320,6 @@ class RolloutRows:
 
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids[n, seq_len] long, lo[n], hi[n]): rows and their inclusive anchor ranges (CPU)."""
-        from ddtree.train.corpus import EOT_ID
-
         picks = self.usable[self.rng.integers(0, self.usable.size, size=n)]
         ids = np.full((n, self.seq_len), EOT_ID, dtype=np.int64)
         for row, i in enumerate(picks):

@@ -316,6 +316,43 @@ def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir
     assert "layers [1, 2] added" in (tmp_path / "b" / "README.md").read_text()
 
 
+def test_a_drafter_given_more_taps_starts_out_computing_what_it_did(data_dir: Path, target_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Taps [t0] -> [t1, t0]: t0's fusion columns move to its new place, t1's start at zero, so the outputs
+    are unchanged; a tap set that drops one of start's taps does not fit."""
+    from dataclasses import replace
+
+    from ddtree.models import init_drafter, load_drafter, load_target
+    from ddtree.train.drafter import init_from_drafter
+
+    target = load_target(target_dir)
+    layers = target.config.num_hidden_layers
+    assert layers >= 2
+    old, extra = layers - 1, 0
+    train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0),
+                  replace(TINY_DRAFTER, target_layer_ids=(old,)))
+    small = load_drafter(tmp_path / "a", target, dtype=torch.float32)
+    wide = init_drafter(replace(TINY_DRAFTER, target_layer_ids=(extra, old)).config(target.config), target,
+                        seed=1).to(torch.float32)
+    assert init_from_drafter(wide, small, "a") == []
+    d = target.config.hidden_size
+    assert wide.fc.weight[:, :d].abs().sum() == 0 and torch.equal(wide.fc.weight[:, d:], small.fc.weight)
+    ids = torch.randint(2, target.config.vocab_size, (2, 40))
+    anchors = torch.tensor([[3, 17], [9, 30]])
+    with torch.no_grad():
+        _, taps_small = target.forward_train(ids, [old])
+        _, taps_wide = target.forward_train(ids, [extra, old])
+        want = small.forward_train(taps_small, ids, anchors, TINY_DRAFTER.block_size, 32)
+        got = wide.forward_train(taps_wide, ids, anchors, TINY_DRAFTER.block_size, 32)
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"target_layer_ids \[0, .*\] -> \[.*\] \(drops \[0\]\)"):
+        init_from_drafter(small, wide, "a")
+    summary = train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0),
+                            replace(TINY_DRAFTER, target_layer_ids=(extra, old), init_from=str(tmp_path / "a")))
+    assert summary["init_added_taps"] == [extra]
+    assert f"target layers [{extra}] added to the taps" in (tmp_path / "b" / "README.md").read_text()
+
+
 def test_soft_loss_is_the_kl_to_the_targets_distribution_at_each_block_position() -> None:
     from ddtree.train.drafter import soft_loss
 
@@ -421,6 +458,49 @@ def test_greedy_continue_prefills_in_chunks_and_row_groups_exactly(target_dir: P
     assert out.shape == (5, 6) and torch.equal(logits[:, 49:-1].argmax(-1), out)
 
 
+def test_greedy_continue_with_ragged_prompts_is_each_prompt_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right-padded rows of other lengths (the last token of some in an earlier prefill chunk, row groups of
+    two): every row continues exactly as its own prompt does alone. The committed fixture target, whose
+    continuations depend on their context (the module's briefly trained one says much the same everywhere)."""
+    import ddtree.train.rollouts as rollouts_mod
+    from ddtree.bench.engine_bench import FIXTURE_TARGET
+    from ddtree.models import load_target
+
+    target = load_target(FIXTURE_TARGET)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([50, 7, 33, 16, 17])
+    ids = torch.randint(2, target.config.vocab_size, (5, 50), generator=gen)
+    padded = ids.clone()
+    for row, n in enumerate(lengths.tolist()):
+        padded[row, n:] = 0
+    monkeypatch.setattr(rollouts_mod, "PREFILL_ELEMENTS", 2 * 16 * (50 + 6))
+    out = rollouts_mod.greedy_continue(target, padded, 6, chunk=16, lengths=lengths)
+    alone = [rollouts_mod.greedy_continue(target, ids[row : row + 1, :n], 6)[0] for row, n in enumerate(lengths.tolist())]
+    assert len({tuple(a.tolist()) for a in alone}) == 5, "the prompts should not all continue alike"
+    for row, n in enumerate(lengths.tolist()):
+        assert torch.equal(out[row], alone[row]), f"row {row} (prompt of {n})"
+
+
+def test_rollouts_with_a_length_per_sequence(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
+    spec = RolloutSpec(num=12, prompt_len_min=4, prompt_len_max=40, gen_len=8, batch_size=4, seed=5,
+                       prompt_lengths="per-sequence")
+    summary = make_rollouts(data_dir, target_dir, tmp_path, spec)
+    r = Rollouts.load(tmp_path)
+    lens = r.prompt_lens.tolist()
+    assert len(r) == 12 == summary["sequences"] and len(set(lens)) > 3  # more lengths than the 3 batches
+    assert all(4 <= n <= 40 for n in lens) and r.gen_lens.tolist() == [8] * 12
+    train = np.asarray(load_tokens(data_dir, "train"))
+    from ddtree.models import load_target
+
+    target = load_target(target_dir)
+    for i in range(12):
+        seq, n = r.sequence(i).astype(np.int64), lens[i]
+        assert any(np.array_equal(train[s : s + n], seq[:n]) for s in np.flatnonzero(train == seq[0]))
+        with torch.no_grad():
+            logits, _ = target.forward_train(torch.from_numpy(seq)[None])
+        assert torch.equal(logits[0, n - 1 : -1].argmax(-1), torch.from_numpy(seq[n:])), f"sequence {i}"
+
+
 def test_rollouts_time_budget_saves_what_exists(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
     spec = RolloutSpec(num=10_000, prompt_len_min=4, prompt_len_max=8, gen_len=4, batch_size=2, time_budget_s=0.5)
     summary = make_rollouts(data_dir, target_dir, tmp_path, spec)
@@ -429,7 +509,7 @@ def test_rollouts_time_budget_saves_what_exists(data_dir: Path, target_dir: Path
 
 
 @pytest.mark.parametrize(("field", "kw"), [("gen_len", {"gen_len": 0}), ("prompt_len_max", {"prompt_len_max": 2}),
-                                           ("num", {"num": 0})])
+                                           ("num", {"num": 0}), ("prompt_lengths", {"prompt_lengths": "random"})])
 def test_rollout_spec_names_the_bad_field(field: str, kw: dict[str, int]) -> None:
     with pytest.raises(ConfigError, match=field):
         RolloutSpec(prompt_len_min=4, **kw)
@@ -537,3 +617,14 @@ def test_drafter_with_data_labels_and_no_rollouts_keeps_the_old_card(data_dir: P
     assert "the data's token anchor + k" in card and "corpus windows only" in card
     with pytest.raises(ConfigError, match="rollout_share"):
         train_drafter(data_dir, target_dir, tmp_path / "e", tiny_opts(steps=1), TINY_DRAFTER, rollout_share=1.5)
+
+
+def test_rollouts_cli_draws_a_prompt_length_per_sequence(data_dir: Path, target_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    rc = main(["rollouts", "--data", str(data_dir), "--target", str(target_dir), "--out", str(out), "--num", "8",
+               "--prompt-len-min", "4", "--prompt-len-max", "40", "--gen-len", "4", "--batch-size", "4",
+               "--prompt-lengths", "per-sequence"])
+    assert rc == 0
+    info = json.loads((out / "rollouts.json").read_text())
+    assert info["spec"]["prompt_lengths"] == "per-sequence" and info["sequences"] == 8
+    assert len(set(Rollouts.load(out).prompt_lens.tolist())) > 2  # 2 batches, more lengths
