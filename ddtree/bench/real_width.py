@@ -47,18 +47,24 @@ from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request
 from ddtree.kernels import residual_norm
 from ddtree.kernels.fused_linear import fused_linear_triton
+from ddtree.kernels.skinny_gemm import Tiles, skinny_linear, skinny_linear_reference
 from ddtree.models import layers
 
 # name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the Triton kernel, its tiles, BLAS)
-VARIANTS: dict[str, tuple[bool, int, tuple[int, int, int] | None, str]] = {
+VARIANTS: dict[str, tuple[bool, int, Tiles | None, str]] = {
     "torch ops": (False, 0, None, "cublas"),
     "fused": (True, 0, None, "cublas"),
     "fused, cublaslt": (True, 0, None, "cublaslt"),
-    "fused, triton gemv": (True, 16, None, "cublas"),
+    "fused, skinny gemm": (True, 16, None, "cublas"),
 }
 DEFAULT_VARIANT = "fused"
 # (block_n, block_k, num_warps) tried for the Triton kernel at few rows; None = its own choice
 TILINGS: list[tuple[int, int, int] | None] = [None, (64, 128, 4), (32, 128, 4), (16, 256, 4), (64, 256, 8)]
+# the skinny kernel's tilings tried at few rows (None = choose_tiles); --skinny-sweep adds SKINNY_SWEEP
+SKINNY_TILINGS: list[Tiles | None] = [None]
+SKINNY_SWEEP: list[Tiles] = [Tiles(block_n=bn, block_k=bk, split=sp, stages=st, warps=4)
+                             for bn in (32, 64, 128) for bk in (128, 256) for sp in (1, 2, 4, 8) for st in (4,)]
+SKINNY_SWEEP += [Tiles(block_n=64, block_k=128, split=sp, stages=st, warps=4) for sp in (2, 4) for st in (3, 6)]
 L2_MISS_BYTES = 256 << 20  # weight copies per GEMM timing add up to at least this (the H200's L2 is 60 MB)
 TREE_CONFIGS = ["b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b16-k4-w2048-bs8", "b32-k8-w2048-bs8", "b64-k8-w2048-bs8"]
 
@@ -108,6 +114,7 @@ class Replay:
 
 KINDS = [  # (kind, name fragments), first match wins
     ("triton gemv", ("_fused_linear_kernel",)),
+    ("skinny gemm (triton)", ("_skinny_kernel",)),
     ("gemm (cuBLAS)", ("gemm", "gemv", "cutlass", "nvjet", "splitk", "xmma", "cublas")),
     ("attention", ("tree_attention", "_attn", "flash", "fmha", "sdpa")),
     ("q/k norm + rope", ("norm_rope",)),
@@ -208,25 +215,38 @@ def gemm_bench(engine: Engine, bw: float, rows: tuple[int, ...] = (1, 9, 32)) ->
             x = torch.randn(m, k, dtype=dtype, device=device)
             row: dict[str, Any] = {"gemm": name, "k": k, "n": n, "rows": m, "floor_ms": 1000 * nbytes / bw, "ms": {}}
             cands = _gemm_candidates(x, weights, triton_tiles=m <= 16 and dtype != torch.float32
-                                     and device.type == "cuda")
+                                     and device.type == "cuda", swiglu=name == "gate_up")
+            expected = skinny_linear_reference(x, weights[0], swiglu=True) if name == "gate_up" else None
             for label, fn in cands.items():
                 try:
-                    row["ms"][label] = _blas_replay(fn, label, device).time(10) / copies
+                    replay = _blas_replay(fn, label, device)
+                    row["ms"][label] = replay.time(10) / copies
+                    if label.startswith("skinny"):  # a tiling that computes the wrong product is no candidate
+                        want = expected if expected is not None else F.linear(x, weights[0])
+                        err = (replay.out[0].float() - want.float()).abs().max().item()
+                        row.setdefault("max_abs_err", {})[label] = err
+                        if not err <= 0.05 * max(want.float().abs().max().item(), 1e-3):
+                            raise AssertionError(f"max |error| {err:.3g}")
                 except Exception as err:  # a tiling the compiler refuses is a row entry, not a stop
                     row["ms"][label] = None
                     row.setdefault("errors", {})[label] = repr(err)[:200]
             best = min((v, k_) for k_, v in row["ms"].items() if v is not None)
             row["best"] = best[1]
             out.append(row)
+            shown = sorted(((v, lab) for lab, v in row["ms"].items() if v is not None and lab.startswith("skinny")))[:3]
+            shown += [(row["ms"][lab], lab) for lab in ("cublas", "cublaslt") if row["ms"].get(lab) is not None]
+            failed = f", {len(row.get('errors', {}))} failed" if row.get("errors") else ""
             print(f"  gemm {name:8} K {k:6} N {n:6} rows {m:3}: " + "  ".join(
-                f"{lab} {v * 1000:.1f}us" for lab, v in row["ms"].items() if v is not None)
-                  + f"  (floor {row['floor_ms'] * 1000:.1f}us)", flush=True)
+                f"{lab} {v * 1000:.1f}us" for v, lab in shown) + f"  (floor {row['floor_ms'] * 1000:.1f}us{failed})",
+                  flush=True)
         del weights
     return out
 
 
-def _gemm_candidates(x: torch.Tensor, weights: list[torch.Tensor], triton_tiles: bool) -> dict[str, Callable[[], Any]]:
-    """label -> x @ w.T over every weight copy: cuBLAS, cuBLASLt (chosen at capture), the Triton tilings."""
+def _gemm_candidates(x: torch.Tensor, weights: list[torch.Tensor], triton_tiles: bool,
+                     swiglu: bool = False) -> dict[str, Callable[[], Any]]:
+    """label -> x @ w.T over every weight copy: cuBLAS, cuBLASLt (chosen at capture), the fused_linear
+    tilings and the skinny kernel's (which, for gate/up, includes SwiGLU's product, as the target runs it)."""
     def blas() -> list[torch.Tensor]:
         return [F.linear(x, w) for w in weights]
 
@@ -235,9 +255,14 @@ def _gemm_candidates(x: torch.Tensor, weights: list[torch.Tensor], triton_tiles:
         return lambda: [fused_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in weights]
 
     cands: dict[str, Callable[[], Any]] = {"cublas": blas, "cublaslt": blas}
+    def skinny(tiles: Tiles | None) -> Callable[[], Any]:
+        return lambda: [skinny_linear(x, w, swiglu=swiglu, tiles=tiles) for w in weights]
+
     if triton_tiles:
         for tiles in TILINGS:
             cands["triton " + ("default" if tiles is None else "{}x{}/{}w".format(*tiles))] = tiled(tiles)
+        for sk in SKINNY_TILINGS:
+            cands["skinny " + ("auto" if sk is None else sk.label)] = skinny(sk)
     return cands
 
 
@@ -526,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["gemm", "forward", "rounds", "peer"])
     p.add_argument("--draft-layers", nargs="+", type=int, default=[2],
                    help="drafter depths; the first is the main one, others add AR / b8-k4 rows at batch 1")
+    p.add_argument("--skinny-sweep", action="store_true",
+                   help="time the skinny kernel at every SKINNY_SWEEP tiling in the gemm part (a tuning run)")
     p.add_argument("--out-dir", type=Path, default=Path("real_width"))
     return p
 
@@ -533,6 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.skinny_sweep:
+        SKINNY_TILINGS[:] = [None, *SKINNY_SWEEP]
     device = torch.device(args.device)
     dtype = torch.bfloat16
     args.out_dir.mkdir(parents=True, exist_ok=True)

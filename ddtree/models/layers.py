@@ -14,33 +14,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels.fused_linear import fused_linear_triton
 from ddtree.kernels.norm_rope import norm_rope, norm_rope_qkv, norm_rope_write
 from ddtree.kernels.residual_norm import silu_mul
+from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, skinny_linear
 
-# Inference linears of at most this many rows (bias-free, 16-bit, CUDA) run ddtree.kernels.fused_linear's
-# Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the same launch; 0 = cuBLAS
-# always. Process-wide, like the engine's BLAS choice; GEMV_TILES = (block_n, block_k, num_warps) or None
-# (the kernel's own choice). docs/perf.md, "The engine at real width", says what they measured.
+# Inference linears of at most this many rows (bias-free, 16-bit, CUDA, K >= SKINNY_MIN_K) run
+# ddtree.kernels.skinny_gemm's Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the
+# same launch; 0 = cuBLAS always. Process-wide, like the engine's BLAS choice; GEMV_TILES = a skinny_gemm.Tiles
+# for every product, or None (the kernel's own choice). docs/perf.md, "The engine at real width", says what
+# they measured.
 GEMV_MAX_ROWS = 0
-GEMV_TILES: tuple[int, int, int] | None = None
+GEMV_TILES: Tiles | None = None
+SKINNY_MIN_K = 1024  # below a real model's width a GEMM is a few us of launch either way
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not GEMV_MAX_ROWS or bias is not None or not x.is_cuda or x.dtype == torch.float32 or x.dim() not in (2, 3):
+    if not GEMV_MAX_ROWS or bias is not None or not x.is_cuda or x.dtype == torch.float32:
+        return False
+    if x.shape[-1] < SKINNY_MIN_K or weight.stride(-1) != 1:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    return x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_ROWS
+    return x.numel() // max(x.shape[-1], 1) <= min(GEMV_MAX_ROWS, MAX_ROWS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            swiglu: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias), then silu(gate) * up of its two halves when swiglu (weight = [gate; up]):
-    through cuBLAS, or for few rows through the fused Triton kernel (GEMV_MAX_ROWS)."""
+    through cuBLAS, or for few rows through the skinny Triton kernel (GEMV_MAX_ROWS)."""
     if _gemv_rows(x, weight, bias):
-        block_n, block_k, warps = GEMV_TILES or (None, None, 4)
-        return fused_linear_triton(x, weight, swiglu=swiglu, block_n=block_n, block_k=block_k, num_warps=warps)
+        return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES)
     y = F.linear(x, weight, bias)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)

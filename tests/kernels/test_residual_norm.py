@@ -170,20 +170,3 @@ def test_triton_matches_reference_gpu(shape, dtype) -> None:
                            "or triton is not installed")
 def test_triton_cases_in_interpreter_child() -> None:
     run_triton_cases_in_child(__file__, "triton")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: the few-row kernel path of models.layers.linear")
-@pytest.mark.parametrize("rows", [1, 9])
-def test_layers_linear_few_row_kernel_matches_cublas(rows, monkeypatch) -> None:
-    """layers.linear with GEMV_MAX_ROWS on: the fused Triton kernel (with SwiGLU's product) against F.linear."""
-    from ddtree.models import layers
-
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(1, rows, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w = (0.05 * torch.randn(2 * 768, 512, generator=gen)).to(torch.bfloat16).to(DEVICE)
-    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 16)
-    got, got_glu = layers.linear(x, w), layers.linear(x, w, swiglu=True)
-    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 0)
-    assert_close(got, F.linear(x, w), what="linear", atol=3e-2, rtol=2e-2)
-    assert_close(got_glu, layers.linear(x, w, swiglu=True), what="linear + swiglu", atol=3e-2, rtol=2e-2)

@@ -1,0 +1,240 @@
+"""x @ W.T for a handful of rows at a real model's width, reading the weight near HBM speed.
+
+At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kernels read bfloat16 weights at
+48-79% of the H200's copy bandwidth (docs/perf.md, "The engine at real width"): a 8-50 MB matrix read in
+6-40 us leaves too few bytes in flight per SM for the HBM's latency. This kernel is built for that case:
+
+- The weight is the MMA's wide operand (A and B swapped: W[BLOCK_N, BLOCK_K] @ x.T[BLOCK_K, BLOCK_M]), so a
+  tensor-core tile spends its rows on weight rows rather than on padding 1-16 input rows up to 64.
+- Its loads feed tl.dot, so Triton pipelines them `stages` deep: each SM keeps tens of KB of weight in
+  flight (a multiply-and-sum on the CUDA cores gets no such pipeline).
+- When the column blocks alone would not fill the device, K is split over `split` programs. Each writes its
+  float32 partial sums to a workspace and counts itself in at an atomic counter of its column block; the
+  last to arrive sums the partials, applies the epilogue and stores, then sets the counter back to 0, so the
+  next launch (or CUDA-graph replay) starts clean. One launch, no memset, no second reduction kernel.
+- SwiGLU's product can be the epilogue (W = [gate; up]: the result is silu(x @ gate.T) * (x @ up.T)).
+
+Numerics: float32 accumulation, one rounding at the store (the reference, F.linear then silu * up, rounds
+after the GEMM and after silu). The workspace and counters are shared by every call on a device, so calls
+on one device must not overlap (the engine runs one stream). `skinny_linear_reference` is the torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+MAX_ROWS = 64  # x.T is one MMA operand of at most this many columns
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How one product is cut: weight rows per program, K per load, K splits, pipeline depth, warps."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split: int = 1
+    stages: int = 4
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {value}")
+        if self.split < 1 or self.stages < 1 or self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles: split >= 1, stages >= 1 and warps in 1/2/4/8/16, got {self}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_n}x{self.block_k} s{self.split} p{self.stages} w{self.warps}"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any count exercises the split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.device) -> Tiles:
+    """Tiles for a product: 64 weight rows a program (32 for SwiGLU, whose program reads gate and up), K
+    split until about two programs run per SM, each split keeping at least four loads of K to pipeline."""
+    block_n, block_k = (32 if swiglu else 64), 128
+    blocks = -(-n_out // block_n)
+    want = 2 * _sm_count(device)
+    split = max(1, min(-(-want // blocks), k // (4 * block_k)))
+    return Tiles(block_n=block_n, block_k=block_k, split=split, stages=4, warps=4)
+
+
+class _Workspace:
+    """Per device: the split programs' float32 partials and one arrival counter per column block.
+
+    Buffers only grow, and a buffer once handed out is never freed: a captured CUDA graph keeps the address
+    it was captured with. Growth while a graph is being captured would leave the counters unzeroed until the
+    first replay, so it is refused with what to do."""
+
+    COUNTERS = 1 << 14
+
+    def __init__(self) -> None:
+        self.counters: dict[torch.device, torch.Tensor] = {}
+        self.partials: dict[torch.device, list[torch.Tensor]] = {}
+
+    def get(self, device: torch.device, partial_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.partials.setdefault(device, [])
+        if device not in self.counters or not held or held[-1].numel() < partial_elems:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("skinny_linear: its workspace must grow while a CUDA graph is being captured; "
+                                   "run the same shapes once eagerly before capturing (a warm-up step)")
+            if device not in self.counters:
+                self.counters[device] = torch.zeros(self.COUNTERS, dtype=torch.int32, device=device)
+            held.append(torch.empty(max(partial_elems, 1 << 16), dtype=torch.float32, device=device))
+        return self.counters[device], held[-1]
+
+
+WORKSPACE = _Workspace()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> tuple[int, int, int]:
+    """(rows, K, output columns); raises ValueError naming what does not fit."""
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"skinny_linear: x must be [..., K] and weight [N, K], got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"skinny_linear: weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
+    n = weight.shape[0]
+    if swiglu and n % 2:
+        raise ValueError(f"skinny_linear: swiglu needs an even number of weight rows (gate then up), got {n}")
+    return x[..., 0].numel(), x.shape[-1], n // 2 if swiglu else n
+
+
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    """F.linear(x, weight), then silu(gate) * up of its two halves when swiglu."""
+    _check(x, weight, swiglu)
+    y = F.linear(x, weight)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _product(w, xt, acc, UPCAST: tl.constexpr):
+        if UPCAST:  # float32 inputs, or the interpreter (whose 16-bit dot is unreliable): IEEE float32
+            return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(w, xt, acc)
+
+    @triton.jit
+    def _skinny_kernel(
+        X, W, OUT, PART, COUNT,
+        n_rows, n_out, k_dim, k_split, sx_m, sw_n, so_m,
+        SPLIT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        # out-of-range columns read the last weight row (unmasked loads vectorise); their results are dropped
+        w_rows = tl.minimum(cols, n_out - 1).to(tl.int64) * sw_n
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        k_lo = pid_s * k_split
+        ks = k_lo + tl.arange(0, BLOCK_K)
+        w_ptrs = W + w_rows[:, None] + ks[None, :]
+        x_ptrs = X + rows[None, :] * sx_m + ks[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + k_split, k_dim), BLOCK_K):
+            if EVEN:  # K is a multiple of BLOCK_K (and so is k_split): every load is whole
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_dim
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            acc = _product(w, xt, acc, UPCAST)
+            if SWIGLU:  # the up rows follow the gate rows
+                if EVEN:
+                    wu = tl.load(w_ptrs + n_out * sw_n)
+                else:
+                    wu = tl.load(w_ptrs + n_out * sw_n, mask=k_ok[None, :], other=0.0)
+                acc_up = _product(wu, xt, acc_up, UPCAST)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+
+        tile = cols[:, None] * BLOCK_M + rows[None, :]  # a column block's partials: [n_out, BLOCK_M] per split
+        last = True
+        if SPLIT > 1:
+            stride = n_out * BLOCK_M
+            base = PART + pid_s * (2 if SWIGLU else 1) * stride
+            tl.store(base + tile, acc, mask=col_ok[:, None])
+            if SWIGLU:
+                tl.store(base + stride + tile, acc_up, mask=col_ok[:, None])
+            tl.debug_barrier()  # every thread's partials are written before the block counts itself in
+            arrived = tl.atomic_add(COUNT + pid_n, 1, sem="acq_rel")
+            last = arrived == SPLIT - 1
+            if last:  # the others' partials, read past L1 (which is not coherent across SMs)
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for s in range(SPLIT):
+                    part = PART + s * (2 if SWIGLU else 1) * stride
+                    acc += tl.load(part + tile, mask=col_ok[:, None], other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += tl.load(part + stride + tile, mask=col_ok[:, None], other=0.0,
+                                          cache_modifier=".cg")
+                tl.atomic_xchg(COUNT + pid_n, 0)  # ready for the next launch
+        if last:
+            if SWIGLU:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            o_ptrs = OUT + rows[None, :] * so_m + cols[:, None]
+            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
+                  tiles: Tiles | None = None) -> torch.Tensor:
+    """x[..., K] (at most MAX_ROWS rows) @ weight[N, K].T -> [..., N] (or [..., N/2] with swiglu, weight =
+    [gate; up]), in x's dtype, through the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+    `tiles` overrides choose_tiles (tuning runs)."""
+    if triton is None:
+        raise RuntimeError("skinny_linear: triton is not installed (pip install 'triton>=3.0')")
+    n_rows, k, n_out = _check(x, weight, swiglu)
+    if n_rows > MAX_ROWS:
+        raise ValueError(f"skinny_linear: at most {MAX_ROWS} rows, got {n_rows} (larger products are cuBLAS's)")
+    out = x.new_empty(*x.shape[:-1], n_out)
+    if n_rows == 0 or n_out == 0:
+        return out
+    x2 = x.reshape(n_rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("skinny_linear: the weight's rows must be contiguous (stride 1 along K)")
+    tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device)
+    block_m = max(16, triton.next_power_of_2(n_rows))
+    blocks = triton.cdiv(n_out, tiles.block_n)
+    # each split covers a whole number of BLOCK_K loads (the last may cover fewer); none is empty
+    k_split = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
+    split = triton.cdiv(k, k_split)
+    count, part = WORKSPACE.get(x.device, split * (2 if swiglu else 1) * n_out * block_m if split > 1 else 0)
+    if blocks > count.numel():
+        raise ValueError(f"skinny_linear: {blocks} column blocks exceed the {count.numel()} counters; "
+                         f"use a larger Tiles.block_n")
+    even = k % tiles.block_k == 0
+    _skinny_kernel[(blocks, split)](
+        x2, weight, out.view(n_rows, n_out), part, count,
+        n_rows, n_out, k, k_split, x2.stride(0), weight.stride(0), n_out,
+        SPLIT=split, SWIGLU=swiglu, UPCAST=x.dtype == torch.float32 or not x.is_cuda, EVEN=even,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )
+    return out

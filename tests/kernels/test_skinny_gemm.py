@@ -1,0 +1,224 @@
+"""skinny_gemm: the few-row Triton GEMM (split K, last-arriver reduction, SwiGLU epilogue) against its torch
+reference, and the route layers.linear takes to it.
+
+The kernel sums in another order and rounds once, so it is held to a tolerance scaled to the product; a
+lost split, a block reduced twice or a counter left set shows up as errors of the product's own size (or as
+NaN: outputs start as torch.empty and the NaN-poisoned cases check every element was written). On machines
+without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 set at import, before triton is).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from ddtree.kernels import skinny_gemm
+from ddtree.kernels.skinny_gemm import Tiles, choose_tiles, skinny_linear, skinny_linear_reference
+from tests.kernels.kernel_asserts import (
+    assert_close,
+    interpreter_off_but_installed,
+    run_triton_cases_in_child,
+    triton_runtime,
+)
+
+pytestmark = pytest.mark.kernels
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+TRITON_OK, TRITON_WHY = triton_runtime()
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason=TRITON_WHY)
+NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# float32 differs by summation order only in the interpreter (IEEE) and on a GPU (IEEE dot too); 16-bit
+# outputs by about an ulp of the output, which the reference rounds twice with SwiGLU
+TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+             torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...]  # x's leading dims (their product is the rows)
+    k: int
+    n: int  # output columns (for swiglu the weight has 2n rows)
+    dtype: torch.dtype
+    swiglu: bool = False
+    tiles: Tiles | None = None
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        tiles = "auto" if self.tiles is None else self.tiles.label.replace(" ", "-")
+        return "-".join([f"x{'x'.join(map(str, self.shape))}-k{self.k}-n{self.n}-{NAMES[self.dtype]}",
+                         *(["swiglu"] if self.swiglu else []), tiles])
+
+
+CPU_CASES = [
+    Case((1,), 256, 96, torch.float32),
+    Case((3,), 200, 40, torch.float32, tiles=Tiles(32, 64, 3, 2, 4), seed=1),  # K, N off the tiles; 3 splits
+    Case((1, 9), 512, 64, torch.float32, swiglu=True, tiles=Tiles(16, 64, 4, 2, 4), seed=2),
+    Case((1, 1), 1024, 130, torch.bfloat16, swiglu=True, seed=3),  # the chosen split; N off the block
+    Case((16,), 128, 64, torch.float16, tiles=Tiles(64, 32, 1, 2, 4), seed=4),
+    Case((2, 7), 384, 48, torch.float32, tiles=Tiles(16, 128, 8, 2, 4), seed=5),  # more splits than loads: 3
+    Case((33,), 96, 32, torch.float32, tiles=Tiles(16, 32, 2, 2, 4), seed=6),  # rows past one 16-row block
+]
+GPU_CASES = [  # the 1b and 8b shapes' projections (docs/perf.md, "The engine at real width")
+    Case((1, 1), 2048, 4096, torch.bfloat16, seed=10),
+    Case((1, 9), 2048, 6144, torch.bfloat16, swiglu=True, seed=11),
+    Case((1, 1), 6144, 2048, torch.bfloat16, seed=12),
+    Case((1, 9), 12288, 4096, torch.bfloat16, seed=13),
+    Case((1, 1), 4096, 24576 // 2, torch.bfloat16, swiglu=True, seed=14),
+    Case((1, 1), 4096, 151936, torch.bfloat16, seed=15),
+    Case((4, 4), 4096, 4096, torch.float16, tiles=Tiles(128, 256, 4, 3, 8), seed=16),
+    Case((1,), 4096, 1000, torch.float32, seed=17),
+]
+
+
+def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed)
+    x = torch.randn(*case.shape, case.k, generator=gen, device=DEVICE).to(case.dtype)
+    rows = 2 * case.n if case.swiglu else case.n
+    weight = (torch.randn(rows, case.k, generator=gen, device=DEVICE) * case.k ** -0.5).to(case.dtype)
+    return x, weight
+
+
+def check(case: Case) -> None:
+    x, weight = make_inputs(case)
+    expected = skinny_linear_reference(x, weight, swiglu=case.swiglu)
+    for attempt in range(2):  # the second launch finds the arrival counters as the first left them
+        out = skinny_linear(x, weight, swiglu=case.swiglu, tiles=case.tiles)
+        assert out.shape == (*case.shape, case.n) and out.dtype == case.dtype and out.is_contiguous()
+        assert_close(out, expected, what=f"{case.id}, launch {attempt + 1}", **TOLERANCE[case.dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CPU_CASES])
+def test_triton_matches_reference(case: Case) -> None:
+    check(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: real widths are too slow for the Triton interpreter")
+@pytest.mark.skipif(not TRITON_OK, reason=TRITON_WHY)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in GPU_CASES])
+def test_triton_matches_reference_gpu(case: Case) -> None:
+    check(case)
+
+
+@needs_triton
+def test_triton_every_output_written_and_split_counters_reset() -> None:
+    """Outputs NaN-poisoned by the allocator would show: every element is written, for split and unsplit
+    tiles alike, and a product run after a split one of another shape is still right."""
+    split = Case((5,), 256, 72, torch.float32, tiles=Tiles(16, 32, 4, 2, 4), seed=20)
+    whole = Case((2,), 160, 24, torch.float32, tiles=Tiles(16, 32, 1, 2, 4), seed=21)
+    for case in (split, whole, split):
+        x, weight = make_inputs(case)
+        out = skinny_linear(x, weight, tiles=case.tiles)
+        assert not out.isnan().any(), f"{case.id}: unwritten outputs"
+        assert_close(out, F.linear(x, weight), what=case.id, **TOLERANCE[case.dtype])
+    counters, _ = skinny_gemm.WORKSPACE.get(DEVICE, 0)
+    assert int(counters.abs().sum()) == 0, "an arrival counter was left set"
+
+
+def test_choose_tiles_fills_the_device_and_keeps_loads_to_pipeline() -> None:
+    cuda = torch.device("cuda")
+    sms = 132
+    orig = skinny_gemm._sm_count
+    try:
+        skinny_gemm._sm_count = lambda device: sms  # type: ignore[assignment]
+        down = choose_tiles(1, 12288, 4096, False, cuda)  # 64 column blocks: split until ~2 programs an SM
+        assert down.block_n == 64 and down.split == 5 and 64 * down.split >= 2 * sms
+        head = choose_tiles(1, 4096, 151936, False, cuda)  # thousands of blocks: no split
+        assert head.split == 1
+        small_k = choose_tiles(1, 1024, 2048, False, cuda)  # splits keep >= 4 loads of 128
+        assert small_k.split == 2
+        glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows
+        assert glu.block_n == 32
+    finally:
+        skinny_gemm._sm_count = orig  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    pytest.param({"block_n": 48}, "block_n must be a power of two", id="block-n"),
+    pytest.param({"block_k": 8}, "block_k must be a power of two >= 16", id="block-k"),
+    pytest.param({"split": 0}, "split >= 1", id="split"),
+    pytest.param({"warps": 3}, "warps in 1/2/4/8/16", id="warps"),
+])
+def test_bad_tiles_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Tiles(**kwargs)
+
+
+@pytest.mark.parametrize(("x", "weight", "swiglu", "message"), [
+    pytest.param(torch.zeros(2, 64), torch.zeros(8, 32), False, r"weight \[N, K\]", id="k-mismatch"),
+    pytest.param(torch.zeros(2, 64), torch.zeros(8, 64, dtype=torch.float64), False, "weight is torch.float64",
+                 id="dtype"),
+    pytest.param(torch.zeros(2, 64), torch.zeros(7, 64), True, "swiglu needs an even number", id="swiglu-odd"),
+    pytest.param(torch.zeros(65, 64), torch.zeros(8, 64), False, "at most 64 rows", id="too-many-rows"),
+    pytest.param(torch.zeros(2, 64), torch.zeros(64, 8).t(), False, "rows must be contiguous", id="strided-weight"),
+])
+def test_bad_input_names_what_does_not_fit(x: torch.Tensor, weight: torch.Tensor, swiglu: bool,
+                                           message: str) -> None:
+    if skinny_gemm.triton is None:
+        pytest.skip("triton is not installed: skinny_linear refuses to run before checking its inputs")
+    with pytest.raises(ValueError, match=message):
+        skinny_linear(x, weight, swiglu=swiglu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: CUDA graphs")
+def test_graph_replays_match_and_growth_during_capture_is_refused() -> None:
+    """A captured product replays right many times (the counters reset in the graph too); a workspace that
+    would have to grow inside a capture is refused with what to do, and the capture is abandoned cleanly."""
+    case = Case((1, 1), 4096, 4096, torch.bfloat16, seed=30)
+    x, weight = make_inputs(case)
+    skinny_linear(x, weight)  # the warm-up grows the workspace outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_linear(x, weight)
+    for _ in range(5):
+        x.normal_()
+        graph.replay()
+        assert_close(out, F.linear(x, weight), what="graph replay", **TOLERANCE[case.dtype])
+    big = torch.randn(64, 8192, device=DEVICE, dtype=torch.bfloat16)
+    w_big = torch.randn(8192 * 4, 8192, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="run the same shapes once eagerly"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            skinny_linear(big, w_big, tiles=Tiles(64, 128, 8, 3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: the few-row kernel path of models.layers.linear")
+@pytest.mark.parametrize("rows", [1, 9])
+def test_layers_linear_few_row_route_matches_cublas(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """layers.linear with GEMV_MAX_ROWS on runs the skinny kernel (with SwiGLU's product) and agrees with
+    cuBLAS; below SKINNY_MIN_K it stays on cuBLAS."""
+    from ddtree.models import layers
+
+    calls: list[int] = []
+    real = layers.skinny_linear
+    monkeypatch.setattr(layers, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, rows, 2048, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = (0.05 * torch.randn(2 * 768, 2048, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 16)
+    got, got_glu = layers.linear(x, w), layers.linear(x, w, swiglu=True)
+    assert len(calls) == 2
+    layers.linear(x[..., :512], w[:, :512])
+    assert len(calls) == 2, "a product below SKINNY_MIN_K went to the kernel"
+    monkeypatch.setattr(layers, "GEMV_MAX_ROWS", 0)
+    assert_close(got, F.linear(x, w), what="linear", atol=3e-2, rtol=2e-2)
+    assert_close(got_glu, layers.linear(x, w, swiglu=True), what="linear + swiglu", atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not interpreter_off_but_installed(),
+                    reason="the Triton cases ran in this process (CUDA, or the interpreter was on at import), "
+                           "or triton is not installed")
+def test_triton_cases_in_interpreter_child() -> None:
+    run_triton_cases_in_child(__file__, "triton")
