@@ -12,11 +12,14 @@ At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kerne
   float32 partial sums to a workspace and counts itself in at an atomic counter of its column block; the
   last to arrive sums the partials, applies the epilogue and stores, then sets the counter back to 0, so the
   next launch (or CUDA-graph replay) starts clean. One launch, no memset, no second reduction kernel.
-- SwiGLU's product can be the epilogue (W = [gate; up]: the result is silu(x @ gate.T) * (x @ up.T)).
+- A decoder layer's neighbours ride along: RMSNorm of the rows as the prologue (each program recomputes its
+  rows' mean square over the whole K, a few KB from L2), SwiGLU's product (W = [gate; up]) and the residual add
+  as the epilogue. So a layer at batch 1 is four GEMM launches, the q/k rotation and the attention.
 
-Numerics: float32 accumulation, one rounding at the store (the reference, F.linear then silu * up, rounds
-after the GEMM and after silu). The workspace and counters are shared by every call on a device, so calls
-on one device must not overlap (the engine runs one stream). `skinny_linear_reference` is the torch path.
+Numerics: the norm rounds where RMSNorm rounds (the normalised row, then the scaled one); the product, SwiGLU
+and the residual add stay in float32 to one rounding at the store, where the reference rounds after each.
+The workspace and counters are shared by every call on a device, so calls on one device must not overlap
+(the engine runs one stream). `skinny_linear_reference` is the torch path.
 """
 
 from __future__ import annotations
@@ -103,27 +106,43 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, swiglu: bool) -> tuple[int, int, int]:
+def _check(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, norm_weight: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> tuple[int, int, int]:
     """(rows, K, output columns); raises ValueError naming what does not fit."""
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"skinny_linear: x must be [..., K] and weight [N, K], got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"skinny_linear: weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
-    n = weight.shape[0]
+    k, n = x.shape[-1], weight.shape[0]
     if swiglu and n % 2:
         raise ValueError(f"skinny_linear: swiglu needs an even number of weight rows (gate then up), got {n}")
-    return x[..., 0].numel(), x.shape[-1], n // 2 if swiglu else n
+    n_out = n // 2 if swiglu else n
+    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
+                                    or norm_weight.device != x.device):
+        raise ValueError(f"skinny_linear: norm_weight must be [K={k}] {x.dtype} on {x.device}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
+    want = (*x.shape[:-1], n_out)
+    if residual is not None and (tuple(residual.shape) != want or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"skinny_linear: residual must be {want} {x.dtype} on {x.device}, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    return x[..., 0].numel(), k, n_out
 
 
-def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    """F.linear(x, weight), then silu(gate) * up of its two halves when swiglu."""
-    _check(x, weight, swiglu)
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
+                            norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The models' ops: RMSNorm (layers.RMSNorm's order) when norm_weight is given, F.linear, silu(gate) * up
+    of its two halves when swiglu, + residual."""
+    _check(x, weight, swiglu, norm_weight, residual)
+    if norm_weight is not None:
+        x = norm_weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     y = F.linear(x, weight)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return y
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
 
 
 if triton is not None:
@@ -136,9 +155,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        X, W, OUT, PART, COUNT,
-        n_rows, n_out, k_dim, k_split, sx_m, sw_n, so_m,
-        SPLIT: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
+        X, W, NW, R, OUT, PART, COUNT,
+        n_rows, n_out, k_dim, k_split, eps, sx_m, sw_n, sr_m, so_m,
+        SPLIT: tl.constexpr, SWIGLU: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+        UPCAST: tl.constexpr, EVEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
@@ -153,6 +173,14 @@ if triton is not None:
         ks = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = W + w_rows[:, None] + ks[None, :]
         x_ptrs = X + rows[None, :] * sx_m + ks[:, None]
+        if HAS_NORM:  # each row's mean square over the whole K (the rows are few and sit in L2), in float32
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, k_dim, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(X + rows[None, :] * sx_m + kk[:, None], mask=(kk < k_dim)[:, None] & row_ok[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xk * xk, 0)
+            rstd = 1.0 / tl.sqrt(ss / k_dim + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + k_split, k_dim), BLOCK_K):
@@ -163,6 +191,10 @@ if triton is not None:
                 k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_dim
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            if HAS_NORM:  # RMSNorm's order: normalise in float32, round to x's dtype, then scale (and round)
+                nw = tl.load(NW + k0 + tl.arange(0, BLOCK_K), mask=(k0 + tl.arange(0, BLOCK_K)) < k_dim, other=0.0)
+                h = (xt.to(tl.float32) * rstd[None, :]).to(xt.dtype).to(tl.float32)
+                xt = (h * nw.to(tl.float32)[:, None]).to(xt.dtype)
             acc = _product(w, xt, acc, UPCAST)
             if SWIGLU:  # the up rows follow the gate rows
                 if EVEN:
@@ -197,18 +229,23 @@ if triton is not None:
         if last:
             if SWIGLU:
                 acc = acc * tl.sigmoid(acc) * acc_up
+            out_ok = col_ok[:, None] & row_ok[None, :]
+            if HAS_RES:  # the residual stream's add, in float32 with one rounding
+                acc += tl.load(R + rows[None, :] * sr_m + cols[:, None], mask=out_ok, other=0.0).to(tl.float32)
             o_ptrs = OUT + rows[None, :] * so_m + cols[:, None]
-            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=out_ok)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
-                  tiles: Tiles | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, tiles: Tiles | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] (at most MAX_ROWS rows) @ weight[N, K].T -> [..., N] (or [..., N/2] with swiglu, weight =
     [gate; up]), in x's dtype, through the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
-    `tiles` overrides choose_tiles (tuning runs)."""
+    norm_weight: RMSNorm each row of x first (a decoder layer's input or post-attention norm); residual:
+    added to the result (the residual stream, [..., N]). `tiles` overrides choose_tiles (tuning runs)."""
     if triton is None:
         raise RuntimeError("skinny_linear: triton is not installed (pip install 'triton>=3.0')")
-    n_rows, k, n_out = _check(x, weight, swiglu)
+    n_rows, k, n_out = _check(x, weight, swiglu, norm_weight, residual)
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_linear: at most {MAX_ROWS} rows, got {n_rows} (larger products are cuBLAS's)")
     out = x.new_empty(*x.shape[:-1], n_out)
@@ -219,6 +256,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         raise ValueError("skinny_linear: the weight's rows must be contiguous (stride 1 along K)")
+    r2 = out.view(n_rows, n_out) if residual is None else residual.reshape(n_rows, n_out)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
     tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device)
     block_m = max(16, triton.next_power_of_2(n_rows))
     blocks = triton.cdiv(n_out, tiles.block_n)
@@ -231,9 +271,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
                          f"use a larger Tiles.block_n")
     even = k % tiles.block_k == 0
     _skinny_kernel[(blocks, split)](
-        x2, weight, out.view(n_rows, n_out), part, count,
-        n_rows, n_out, k, k_split, x2.stride(0), weight.stride(0), n_out,
-        SPLIT=split, SWIGLU=swiglu, UPCAST=x.dtype == torch.float32 or not x.is_cuda, EVEN=even,
+        x2, weight, norm_weight if norm_weight is not None else weight, r2, out.view(n_rows, n_out), part, count,
+        n_rows, n_out, k, k_split, eps, x2.stride(0), weight.stride(0), r2.stride(0), n_out,
+        SPLIT=split, SWIGLU=swiglu, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
+        UPCAST=x.dtype == torch.float32 or not x.is_cuda, EVEN=even,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )

@@ -51,12 +51,14 @@ class Case:
     swiglu: bool = False
     tiles: Tiles | None = None
     seed: int = 0
+    norm: bool = False
+    residual: bool = False
 
     @property
     def id(self) -> str:
         tiles = "auto" if self.tiles is None else self.tiles.label.replace(" ", "-")
-        return "-".join([f"x{'x'.join(map(str, self.shape))}-k{self.k}-n{self.n}-{NAMES[self.dtype]}",
-                         *(["swiglu"] if self.swiglu else []), tiles])
+        flags = [name for name in ("swiglu", "norm", "residual") if getattr(self, name)]
+        return "-".join([f"x{'x'.join(map(str, self.shape))}-k{self.k}-n{self.n}-{NAMES[self.dtype]}", *flags, tiles])
 
 
 CPU_CASES = [
@@ -67,6 +69,10 @@ CPU_CASES = [
     Case((16,), 128, 64, torch.float16, tiles=Tiles(64, 32, 1, 2, 4), seed=4),
     Case((2, 7), 384, 48, torch.float32, tiles=Tiles(16, 128, 8, 2, 4), seed=5),  # more splits than loads: 3
     Case((33,), 96, 32, torch.float32, tiles=Tiles(16, 32, 2, 2, 4), seed=6),  # rows past one 16-row block
+    Case((1, 3), 200, 48, torch.float32, tiles=Tiles(16, 64, 2, 2, 4), norm=True, seed=7),  # norm over split K
+    Case((2,), 256, 40, torch.float32, tiles=Tiles(16, 64, 3, 2, 4), residual=True, seed=8),
+    Case((1, 5), 192, 24, torch.bfloat16, swiglu=True, norm=True, seed=9),
+    Case((4,), 130, 72, torch.float32, tiles=Tiles(32, 32, 1, 2, 4), norm=True, residual=True, seed=10),
 ]
 GPU_CASES = [  # the 1b and 8b shapes' projections (docs/perf.md, "The engine at real width")
     Case((1, 1), 2048, 4096, torch.bfloat16, seed=10),
@@ -77,6 +83,10 @@ GPU_CASES = [  # the 1b and 8b shapes' projections (docs/perf.md, "The engine at
     Case((1, 1), 4096, 151936, torch.bfloat16, seed=15),
     Case((4, 4), 4096, 4096, torch.float16, tiles=Tiles(128, 256, 4, 3, 8), seed=16),
     Case((1,), 4096, 1000, torch.float32, seed=17),
+    Case((1, 1), 2048, 4096, torch.bfloat16, norm=True, seed=18),  # a layer's q/k/v with its input norm
+    Case((1, 9), 4096, 4096, torch.bfloat16, residual=True, seed=19),  # o_proj into the residual stream
+    Case((1, 9), 4096, 12288, torch.bfloat16, swiglu=True, norm=True, seed=20),  # post-attention norm, gate/up
+    Case((1, 1), 12288, 4096, torch.bfloat16, residual=True, seed=21),  # down into the residual stream
 ]
 
 
@@ -88,11 +98,23 @@ def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return x, weight
 
 
+def extras(case: Case) -> dict[str, torch.Tensor | None]:
+    """The norm weight and residual of a case (None where it has none)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(case.seed + 1000)
+    # the input scaled away from 1, so a skipped norm is off by far more than the tolerance
+    norm = (1.0 + 0.3 * torch.randn(case.k, generator=gen, device=DEVICE)).to(case.dtype) if case.norm else None
+    residual = torch.randn(*case.shape, case.n, generator=gen, device=DEVICE).to(case.dtype) if case.residual else None
+    return {"norm_weight": norm, "residual": residual}
+
+
 def check(case: Case) -> None:
     x, weight = make_inputs(case)
-    expected = skinny_linear_reference(x, weight, swiglu=case.swiglu)
+    if case.norm:
+        x = 3.0 * x
+    more = extras(case)
+    expected = skinny_linear_reference(x, weight, swiglu=case.swiglu, **more)
     for attempt in range(2):  # the second launch finds the arrival counters as the first left them
-        out = skinny_linear(x, weight, swiglu=case.swiglu, tiles=case.tiles)
+        out = skinny_linear(x, weight, swiglu=case.swiglu, tiles=case.tiles, **more)
         assert out.shape == (*case.shape, case.n) and out.dtype == case.dtype and out.is_contiguous()
         assert_close(out, expected, what=f"{case.id}, launch {attempt + 1}", **TOLERANCE[case.dtype])
 
@@ -222,3 +244,30 @@ def test_layers_linear_few_row_route_matches_cublas(rows: int, monkeypatch: pyte
                            "or triton is not installed")
 def test_triton_cases_in_interpreter_child() -> None:
     run_triton_cases_in_child(__file__, "triton")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    pytest.param({"norm_weight": torch.ones(32)}, r"norm_weight must be \[K=64\]", id="norm-shape"),
+    pytest.param({"residual": torch.zeros(2, 7)}, r"residual must be \(2, 8\)", id="residual-shape"),
+    pytest.param({"residual": torch.zeros(2, 8, dtype=torch.float64)}, "residual must be", id="residual-dtype"),
+])
+def test_bad_norm_or_residual_names_the_argument(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        skinny_linear_reference(torch.zeros(2, 64), torch.zeros(8, 64), **extra)
+    if skinny_gemm.triton is not None:
+        with pytest.raises(ValueError, match=message):
+            skinny_linear(torch.zeros(2, 64), torch.zeros(8, 64), **extra)
+
+
+def test_reference_is_the_layers_ops() -> None:
+    """The reference is layers.RMSNorm, F.linear, SwiGLU's silu * up and the residual add, bit for bit."""
+    from ddtree.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    nw, res = 1 + 0.2 * torch.randn(64, generator=gen), torch.randn(3, 16, generator=gen)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.copy_(nw)
+    gate, up = F.linear(norm(x), w).chunk(2, dim=-1)
+    expected = res + F.silu(gate) * up
+    assert torch.equal(skinny_linear_reference(x, w, swiglu=True, norm_weight=nw, eps=1e-6, residual=res), expected)
