@@ -38,17 +38,27 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return x.numel() // max(x.shape[-1], 1) <= min(GEMV_MAX_ROWS, MAX_ROWS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           swiglu: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias), then silu(gate) * up of its two halves when swiglu (weight = [gate; up]):
-    through cuBLAS, or for few rows through the skinny Triton kernel (GEMV_MAX_ROWS)."""
+def skinny_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs the skinny kernel (so a norm before it and an add after it are free)."""
+    return _gemv_rows(x, weight, None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
+           norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + F.linear(norm(x), weight, bias), with silu(gate) * up of its two halves when swiglu (weight =
+    [gate; up]); norm and residual optional. Through cuBLAS with the norm and the add as torch ops, or for few
+    rows through the skinny Triton kernel, which does all of it in one launch (GEMV_MAX_ROWS)."""
     if _gemv_rows(x, weight, bias):
-        return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES)
+        return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES,
+                             norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+                             residual=residual)
+    if norm is not None:
+        x = norm(x)
     y = F.linear(x, weight, bias)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        return silu_mul(gate, up)
-    return y
+        y = silu_mul(gate, up)
+    return y if residual is None else residual + y
 
 
 class RMSNorm(nn.Module):
@@ -152,12 +162,12 @@ class FusedLinear:
             return False  # the fused tensor is outside autograd: training runs the separate Linears
         return self.intact
 
-    def __call__(self, x: torch.Tensor, skip: int = 0) -> list[torch.Tensor]:
-        """x[..., in] -> one output per Linear from the `skip`-th on (their rows are contiguous, so the
-        tail is one GEMM too), as column slices of one [..., sum(out)] result."""
+    def __call__(self, x: torch.Tensor, skip: int = 0, norm: RMSNorm | None = None) -> list[torch.Tensor]:
+        """x[..., in] (RMSNorm'd first when `norm` is given) -> one output per Linear from the `skip`-th on
+        (their rows are contiguous, so the tail is one GEMM too), as column slices of one [..., sum(out)] result."""
         start = sum(self.sizes[:skip])
         bias = None if self.bias is None else self.bias[start:]
-        return list(linear(x, self.weight[start:], bias).split(self.sizes[skip:], dim=-1))
+        return list(linear(x, self.weight[start:], bias, norm=norm).split(self.sizes[skip:], dim=-1))
 
 
 class SwiGLU(nn.Module):
@@ -173,16 +183,20 @@ class SwiGLU(nn.Module):
         if self.gate_up is None or not self.gate_up.intact:
             self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and self.gate_up.live:
-            if self.gate_up.bias is None:  # the GEMM and the product (one launch where `linear` fuses them)
-                act = linear(x, self.gate_up.weight, swiglu=True)
-            else:
-                act = silu_mul(*self.gate_up(x))
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + the MLP of norm(x) (norm and residual optional: the skinny kernel folds them into its
+        GEMMs, elsewhere they are torch ops)."""
+        gate_up = self.gate_up if self.gate_up is not None and self.gate_up.live else None
+        if gate_up is not None and gate_up.bias is None:  # GEMM and product: one launch where `linear` fuses them
+            act = linear(x, gate_up.weight, swiglu=True, norm=norm)
         else:
-            act = silu_mul(self.gate_proj(x), self.up_proj(x))
+            h = x if norm is None else norm(x)
+            act = silu_mul(*gate_up(h)) if gate_up is not None else silu_mul(self.gate_proj(h), self.up_proj(h))
         down = self.down_proj
-        return linear(act, down.weight, down.bias) if self.gate_up is not None and self.gate_up.live else down(act)
+        if gate_up is not None:
+            return linear(act, down.weight, down.bias, residual=residual)
+        y = down(act)
+        return y if residual is None else residual + y
 
 
 class GQAProjections(nn.Module):
@@ -248,11 +262,15 @@ class GQAProjections(nn.Module):
         return self.rope_kv(k, v, cos, sin)
 
     def qkv_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
-                 v_out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """`qkv`, with k and v written straight into a cache layer k_out/v_out[bs, KV, S, d] at slots[bs, q];
-        returns q[bs, H, q, d]."""
+                 v_out: torch.Tensor, slots: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """`qkv` of norm(x) (x itself without `norm`), with k and v written straight into a cache layer
+        k_out/v_out[bs, KV, S, d] at slots[bs, q]; returns q[bs, H, q, d]."""
         fused = self._fused()
-        q, k, v = fused(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if fused is not None:
+            q, k, v = fused(x, norm=norm)
+        else:
+            h = x if norm is None else norm(x)
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         bs, n, _ = q.shape
         kv_shape = (bs, n, self.n_kv, self.head_dim)
         if (self.q_norm is None) != (self.k_norm is None):  # one norm without the other: two launches
@@ -289,12 +307,13 @@ class GQAProjections(nn.Module):
         bs, _, n, _ = o.shape
         return o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim)
 
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        # o[bs, H, q, d] -> [bs, q, D]
+    def out(self, o: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # o[bs, H, q, d] -> [bs, q, D] (+ residual)
         fused = self._fused()  # inference (see FusedLinear.live): `linear` may pick the few-row kernel
         if fused is not None:
-            return linear(self.merge_heads(o), self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(self.merge_heads(o))
+            return linear(self.merge_heads(o), self.o_proj.weight, self.o_proj.bias, residual=residual)
+        y = self.o_proj(self.merge_heads(o))
+        return y if residual is None else residual + y
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

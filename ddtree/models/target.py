@@ -22,7 +22,7 @@ from ddtree.kernels.residual_norm import add_rms_norm
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, tree_attention
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear
+from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear, skinny_route
 
 
 def rotary_positions(max_position_embeddings: int) -> int:
@@ -186,32 +186,60 @@ class Target(nn.Module):
             mask = build_kv_mask(cache.lengths, n_q, kv_len, tree_mask)  # [bs, 1, q, S]
         else:
             bitmask = verify_bitmask(bs, n_q, tree_mask, tree_bitmask, input_ids.device)
-            backend: Literal["triton", "reference"] = "triton" if attention == "triton" else "reference"
+        backend: Literal["triton", "reference"] = "triton" if attention == "triton" else "reference"
         cos, sin = self.rotary(position_ids, self.dtype)
         x = self.embed(input_ids)  # [bs, q, D]
         taps: dict[int, torch.Tensor] = {}
         wanted = set(tap_layers or [])
         slots = cache.write_slots(n_q)
         layers = self.model.layers
+        if self._skinny_layers(x):
+            # few rows at real width: each norm is its GEMM's prologue and each residual add its GEMM's
+            # epilogue (ddtree.kernels.skinny_gemm), four GEMM launches a layer and no separate add + norm
+            for i, layer in enumerate(layers):
+                attn = layer.self_attn
+                q = attn.qkv_into(x, cos, sin, cache.k[i], cache.v[i], slots, norm=layer.input_layernorm)
+                o = self._attend(i, attn, q, cache, kv_len, mask, bitmask, backend)
+                x = attn.out(o, residual=x)
+                x = layer.mlp(x, norm=layer.post_attention_layernorm, residual=x)
+                if i in wanted:
+                    taps[i] = x
+            x, h = add_rms_norm(x, None, self.model.norm.weight, self.model.norm.eps)
+            return self._finish(x, taps, tap_layers, logit_positions, normed=h)
         # each residual add runs with the norm after it (one launch on CUDA: ddtree.kernels.residual_norm);
         # h is the normed input of what comes next, ending with the final norm
         norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
         x, h = add_rms_norm(x, None, norms[0].weight, norms[0].eps)
         for i, layer in enumerate(layers):
             q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
-            if bitmask is None:
-                k_all, v_all = cache.view(i, kv_len)
-                o = attend(q, k_all, v_all, mask)
-            else:  # the new rows already sit in the cache at lengths[b] + j
-                k_all, v_all = cache.view(i, cache.max_len)
-                o = tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
-                                   backend=backend, out=layer.self_attn.out_buffer(q))
+            o = self._attend(i, layer.self_attn, q, cache, kv_len, mask, bitmask, backend)
             post = layer.post_attention_layernorm
             x, h = add_rms_norm(x, layer.self_attn.out(o), post.weight, post.eps)
             x, h = add_rms_norm(x, layer.mlp(h), norms[i + 1].weight, norms[i + 1].eps)
             if i in wanted:
                 taps[i] = x
         return self._finish(x, taps, tap_layers, logit_positions, normed=h)
+
+    def _skinny_layers(self, x: torch.Tensor) -> bool:
+        """Whether the layers' projections take the skinny kernel for x's rows (then norms and residual adds ride
+        in its GEMMs): fused, bias-free projections on the few-row route (layers.skinny_route), as the first
+        layer's are. A layer whose weights were replaced since runs the same norm and add as torch ops."""
+        first = self.model.layers[0]
+        qkv, gate_up = first.self_attn.qkv_proj, first.mlp.gate_up
+        if qkv is None or gate_up is None or not (qkv.live and gate_up.live) or qkv.bias is not None:
+            return False
+        return gate_up.bias is None and skinny_route(x, qkv.weight)
+
+    @staticmethod
+    def _attend(i: int, attn: Attention, q: torch.Tensor, cache: KVCache, kv_len: int, mask: torch.Tensor | None,
+                bitmask: torch.Tensor | None, backend: Literal["triton", "reference"]) -> torch.Tensor:
+        """Layer i's attention of q over its cache, the new rows already written at lengths[b] + j."""
+        if bitmask is None:
+            k_all, v_all = cache.view(i, kv_len)
+            return attend(q, k_all, v_all, mask)
+        k_all, v_all = cache.view(i, cache.max_len)
+        return tree_attention(q, k_all, v_all, cache.lengths, None, None, bitmask, q.shape[-1] ** -0.5,
+                              backend=backend, out=attn.out_buffer(q))
 
     def _finish(
         self,
