@@ -226,9 +226,9 @@ class Target(nn.Module):
         layer's are. A layer whose weights were replaced since runs the same norm and add as torch ops."""
         first = self.model.layers[0]
         qkv, gate_up = first.self_attn.qkv_proj, first.mlp.gate_up
-        if qkv is None or gate_up is None or not (qkv.live and gate_up.live) or qkv.bias is not None:
+        if qkv is None or gate_up is None or not skinny_route(x, qkv.weight):  # off (the default): one look
             return False
-        return gate_up.bias is None and skinny_route(x, qkv.weight)
+        return qkv.bias is None and gate_up.bias is None and qkv.live and gate_up.live
 
     @staticmethod
     def _attend(i: int, attn: Attention, q: torch.Tensor, cache: KVCache, kv_len: int, mask: torch.Tensor | None,
