@@ -41,28 +41,29 @@ MAX_KERNEL_ROWS = 512
 REAL_WIDTH, MAX_REAL_WIDTH_ROWS = 1024, 16
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
-                  residual: torch.Tensor | None, swiglu: bool) -> tuple[int, int]:
-    """(K, output columns); raises ValueError naming the argument that does not fit."""
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                 residual: torch.Tensor | None, swiglu: bool, who: str = "fused_linear") -> tuple[int, int]:
+    """(K, output columns); raises ValueError naming the argument that does not fit (`who`: the caller's name,
+    ddtree.kernels.skinny_gemm checks the same arguments)."""
     if x.dim() not in (2, 3):
-        raise ValueError(f"fused_linear: x must be [rows, K] or [bs, rows, K], got {tuple(x.shape)}")
+        raise ValueError(f"{who}: x must be [rows, K] or [bs, rows, K], got {tuple(x.shape)}")
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"fused_linear: weight must be [N, K={k}], got {tuple(weight.shape)}")
+        raise ValueError(f"{who}: weight must be [N, K={k}], got {tuple(weight.shape)}")
     n = weight.shape[0]
     if swiglu and n % 2:
-        raise ValueError(f"fused_linear: swiglu needs an even number of weight rows (gate then up), got {n}")
+        raise ValueError(f"{who}: swiglu needs an even number of weight rows (gate then up), got {n}")
     n_out = n // 2 if swiglu else n
     if weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"fused_linear: weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
+        raise ValueError(f"{who}: weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
     if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
                                     or norm_weight.device != x.device):
-        raise ValueError(f"fused_linear: norm_weight must be [K={k}] {x.dtype} on {x.device}, got "
+        raise ValueError(f"{who}: norm_weight must be [K={k}] {x.dtype} on {x.device}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
     want = (*x.shape[:-1], n_out)
     if residual is not None and (tuple(residual.shape) != want or residual.dtype != x.dtype
                                  or residual.device != x.device):
-        raise ValueError(f"fused_linear: residual must be {want} {x.dtype} on {x.device}, got "
+        raise ValueError(f"{who}: residual must be {want} {x.dtype} on {x.device}, got "
                          f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
     return k, n_out
 
@@ -71,7 +72,7 @@ def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: t
                            eps: float = 1e-6, residual: torch.Tensor | None = None,
                            swiglu: bool = False) -> torch.Tensor:
     """The torch ops the kernel replaces (layers.RMSNorm, F.linear, SwiGLU's silu * up, the residual add)."""
-    _check_inputs(x, weight, norm_weight, residual, swiglu)
+    check_inputs(x, weight, norm_weight, residual, swiglu)
     h = x
     if norm_weight is not None:
         h = norm_weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -175,7 +176,7 @@ def fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: torc
     num_warps and dot (a DOT_MODES key) override the choices made from the shapes (for tuning runs)."""
     if triton is None:
         raise RuntimeError("fused_linear_triton: triton is not installed (pip install 'triton>=3.0')")
-    k, n_out = _check_inputs(x, weight, norm_weight, residual, swiglu)
+    k, n_out = check_inputs(x, weight, norm_weight, residual, swiglu)
     x3 = x if x.dim() == 3 else x[None]
     bs, rows_per_batch = x3.shape[0], x3.shape[1]
     n_rows = bs * rows_per_batch

@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from ddtree.kernels.fused_linear import check_inputs, fused_linear_reference
 
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
     import triton
@@ -106,43 +107,13 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, swiglu: bool, norm_weight: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> tuple[int, int, int]:
-    """(rows, K, output columns); raises ValueError naming what does not fit."""
-    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"skinny_linear: x must be [..., K] and weight [N, K], got x {tuple(x.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    if weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"skinny_linear: weight is {weight.dtype} on {weight.device}, x is {x.dtype} on {x.device}")
-    k, n = x.shape[-1], weight.shape[0]
-    if swiglu and n % 2:
-        raise ValueError(f"skinny_linear: swiglu needs an even number of weight rows (gate then up), got {n}")
-    n_out = n // 2 if swiglu else n
-    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
-                                    or norm_weight.device != x.device):
-        raise ValueError(f"skinny_linear: norm_weight must be [K={k}] {x.dtype} on {x.device}, got "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
-    want = (*x.shape[:-1], n_out)
-    if residual is not None and (tuple(residual.shape) != want or residual.dtype != x.dtype
-                                 or residual.device != x.device):
-        raise ValueError(f"skinny_linear: residual must be {want} {x.dtype} on {x.device}, got "
-                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    return x[..., 0].numel(), k, n_out
-
-
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                             residual: torch.Tensor | None = None) -> torch.Tensor:
     """The models' ops: RMSNorm (layers.RMSNorm's order) when norm_weight is given, F.linear, silu(gate) * up
-    of its two halves when swiglu, + residual."""
-    _check(x, weight, swiglu, norm_weight, residual)
-    if norm_weight is not None:
-        x = norm_weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    y = F.linear(x, weight)
-    if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y if residual is None else residual + y
+    of its two halves when swiglu, + residual (fused_linear's reference: the same sequence)."""
+    check_inputs(x, weight, norm_weight, residual, swiglu, who="skinny_linear")
+    return fused_linear_reference(x, weight, norm_weight, eps, residual, swiglu)
 
 
 if triton is not None:
@@ -239,13 +210,14 @@ if triton is not None:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, tiles: Tiles | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x[..., K] (at most MAX_ROWS rows) @ weight[N, K].T -> [..., N] (or [..., N/2] with swiglu, weight =
+    """x[rows, K] or [bs, rows, K] (at most MAX_ROWS rows) @ weight[N, K].T -> [..., N] (or [..., N/2] with swiglu, weight =
     [gate; up]), in x's dtype, through the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
     norm_weight: RMSNorm each row of x first (a decoder layer's input or post-attention norm); residual:
     added to the result (the residual stream, [..., N]). `tiles` overrides choose_tiles (tuning runs)."""
     if triton is None:
         raise RuntimeError("skinny_linear: triton is not installed (pip install 'triton>=3.0')")
-    n_rows, k, n_out = _check(x, weight, swiglu, norm_weight, residual)
+    k, n_out = check_inputs(x, weight, norm_weight, residual, swiglu, who="skinny_linear")
+    n_rows = x[..., 0].numel()
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_linear: at most {MAX_ROWS} rows, got {n_rows} (larger products are cuBLAS's)")
     out = x.new_empty(*x.shape[:-1], n_out)

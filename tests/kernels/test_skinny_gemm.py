@@ -178,7 +178,9 @@ def test_bad_tiles_name_the_field(kwargs: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize(("x", "weight", "swiglu", "message"), [
-    pytest.param(torch.zeros(2, 64), torch.zeros(8, 32), False, r"weight \[N, K\]", id="k-mismatch"),
+    pytest.param(torch.zeros(2, 64), torch.zeros(8, 32), False, r"weight must be \[N, K=64\]", id="k-mismatch"),
+    pytest.param(torch.zeros(1, 2, 2, 64), torch.zeros(8, 64), False, r"x must be \[rows, K\] or \[bs, rows, K\]",
+                 id="x-rank"),
     pytest.param(torch.zeros(2, 64), torch.zeros(8, 64, dtype=torch.float64), False, "weight is torch.float64",
                  id="dtype"),
     pytest.param(torch.zeros(2, 64), torch.zeros(7, 64), True, "swiglu needs an even number", id="swiglu-odd"),
@@ -248,7 +250,7 @@ def test_triton_cases_in_interpreter_child() -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     pytest.param({"norm_weight": torch.ones(32)}, r"norm_weight must be \[K=64\]", id="norm-shape"),
-    pytest.param({"residual": torch.zeros(2, 7)}, r"residual must be \(2, 8\)", id="residual-shape"),
+    pytest.param({"residual": torch.zeros(2, 7)}, r"skinny_linear: residual must be \(2, 8\)", id="residual-shape"),
     pytest.param({"residual": torch.zeros(2, 8, dtype=torch.float64)}, "residual must be", id="residual-dtype"),
 ])
 def test_bad_norm_or_residual_names_the_argument(extra: dict, message: str) -> None:
