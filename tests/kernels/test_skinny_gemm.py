@@ -334,3 +334,42 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, monkeypatch: p
         expected = _fixture_forwards(target, q, "reference")
     assert_close(got[0], expected[0], what=f"logits, q {q}", atol=2e-3, rtol=2e-3)
     assert_close(got[1], expected[1], what=f"taps, q {q}", atol=2e-3, rtol=2e-3)
+
+
+def _hopper_build(**constexprs: object) -> object:
+    """The kernel compiled for sm_90 as the JIT would specialise it for real-width shapes (pointers, dims
+    and strides divisible by 16); no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = skinny_gemm._skinny_kernel
+    pointers = {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "R": "*bf16", "OUT": "*bf16", "PART": "*fp32", "COUNT": "*i32"}
+    ints = ("n_rows", "n_out", "k_dim", "k_split", "sx_m", "sw_n", "sr_m", "so_m")
+    values = {"SPLIT": 4, "SWIGLU": False, "HAS_NORM": False, "HAS_RES": False, "UPCAST": False, "EVEN": True,
+              "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128} | constexprs
+    signature = pointers | dict.fromkeys(ints, "i32") | {"eps": "fp32"} | dict.fromkeys(values, "constexpr")
+    index = kernel.arg_names.index
+    aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n != "n_rows"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(index(n),): v for n, v in values.items()},
+                       attrs=aligned)
+    return skinny_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+
+
+@pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is not installed")
+@pytest.mark.parametrize("epilogue", [{}, {"HAS_NORM": True, "HAS_RES": True}, {"SWIGLU": True, "SPLIT": 1}])
+def test_hopper_build_pipelines_the_weight_loads_into_wgmma(epilogue: dict) -> None:
+    """What the kernel is for, checked in its sm_90 build: the weight and x tiles are copied asynchronously
+    (cp.async) into `stages` shared-memory buffers, and the product is Hopper's wgmma. A change that loses
+    the pipeline (a load the pipeliner cannot take, a transformed operand) builds and passes the numeric
+    tests, and reads the weight at a fraction of the bandwidth."""
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(skinny_gemm._skinny_kernel, JITFunction):
+        pytest.skip("the Triton interpreter is on in this process (its kernels are not compiled); "
+                    "this check runs in the test process itself")
+    build = _hopper_build(**epilogue)
+    ptx = build.asm["ptx"]
+    parts = 2 if epilogue.get("SWIGLU") else 1
+    stage_bytes = (parts * 64 * 128 + 128 * 16) * 2  # weight tile(s) + x.T tile, bfloat16
+    assert build.metadata.shared >= 4 * stage_bytes, f"{build.metadata.shared} B of shared memory: not 4 stages"
+    assert "cp.async" in ptx and "wgmma.mma_async" in ptx
