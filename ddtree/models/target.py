@@ -204,6 +204,11 @@ class Target(nn.Module):
                 x = layer.mlp(x, norm=layer.post_attention_layernorm, residual=x)
                 if i in wanted:
                     taps[i] = x
+            if self.config.num_hidden_layers - 1 not in wanted:  # the final norm rides in the head's GEMM too
+                if logit_positions is not None:
+                    x = torch.gather(x, 1, logit_positions[:, :, None].expand(-1, -1, x.shape[-1]))
+                logits = linear(x, self.lm_head_weight, norm=self.model.norm).float()
+                return logits, self._collect(taps, tap_layers)
             x, h = add_rms_norm(x, None, self.model.norm.weight, self.model.norm.eps)
             return self._finish(x, taps, tap_layers, logit_positions, normed=h)
         # each residual add runs with the norm after it (one launch on CUDA: ddtree.kernels.residual_norm);

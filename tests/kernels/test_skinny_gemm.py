@@ -275,9 +275,10 @@ def test_reference_is_the_layers_ops() -> None:
     assert torch.equal(skinny_linear_reference(x, w, swiglu=True, norm_weight=nw, eps=1e-6, residual=res), expected)
 
 
-def _fixture_forwards(target, q: int, attention: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fixture_forwards(target, q: int, attention: str, last_tap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and taps of a q-token forward (q > 1: a causal verify chain) of the fixture target over a
-    random cached context of 24 tokens at batch 2."""
+    random cached context of 24 tokens at batch 2; the taps are layer 0 and, with last_tap, the last layer
+    (without it the final norm can ride in the head's GEMM), and the logits those of the last 2 queries."""
     gen = torch.Generator().manual_seed(q)
     cache = target.new_cache(2, 40)
     with torch.no_grad():
@@ -286,13 +287,15 @@ def _fixture_forwards(target, q: int, attention: str) -> tuple[torch.Tensor, tor
         cache.lengths.fill_(24)
         ids = torch.randint(2, target.config.vocab_size, (2, q), generator=gen)
         pos = (24 + torch.arange(q))[None].expand(2, q)
-        logits, taps = target.forward(ids, pos, cache, tap_layers=[0, target.config.num_hidden_layers - 1],
-                                      attention=attention)
+        layers = [0, target.config.num_hidden_layers - 1] if last_tap else [0]
+        logits, taps = target.forward(ids, pos, cache, tap_layers=layers, attention=attention,
+                                      logit_positions=torch.tensor([[max(q - 2, 0), q - 1]] * 2))
     return logits, taps
 
 
+@pytest.mark.parametrize("last_tap", [True, False])
 @pytest.mark.parametrize("q", [1, 9])
-def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: int,
+def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: int, last_tap: bool,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused-layer loop (norm as each GEMM's input, residual add as its output) computes the forward the
     add + norm loop does: on the CPU its torch ops are the same ops, so logits and taps are bit for bit equal."""
@@ -302,17 +305,18 @@ def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: 
 
     target = load_target(FIXTURE_TARGET, dtype=torch.float32)
     target.fuse_projections()
-    expected = _fixture_forwards(target, q, "reference")
+    expected = _fixture_forwards(target, q, "reference", last_tap)
     monkeypatch.setattr(target_module, "skinny_route", lambda x, weight: True)
     with torch.no_grad():  # training (gradients to the weights) runs the separate Linears
         assert target._skinny_layers(torch.zeros(1, 1, target.config.hidden_size))
-    got = _fixture_forwards(target, q, "reference")
+    got = _fixture_forwards(target, q, "reference", last_tap)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 @needs_triton
-@pytest.mark.parametrize("q", [1, 9])
-def test_triton_target_forward_through_the_kernel_matches(q: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("q", "last_tap"), [(1, True), (9, True), (9, False)])
+def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixture target's forward with every few-row GEMM on the kernel (norm prologues, SwiGLU and residual
     epilogues; in the interpreter on the CPU) against its cuBLAS / torch-ops forward."""
     from ddtree.bench.engine_bench import FIXTURE_TARGET
@@ -320,18 +324,18 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, monkeypatch: p
 
     target = load_target(FIXTURE_TARGET, device=DEVICE, dtype=torch.float32)
     target.fuse_projections()
-    expected = _fixture_forwards(target.cpu(), q, "reference") if not HAS_CUDA else None
+    expected = _fixture_forwards(target.cpu(), q, "reference", last_tap) if not HAS_CUDA else None
     calls: list[int] = []
     real = layers.skinny_linear
     monkeypatch.setattr(layers, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     # the fixture is float32 and narrow: let the route take the 2 x q rows after the prefill (IEEE float32 on a GPU too)
     monkeypatch.setattr(layers, "_gemv_rows", lambda x, weight, bias: bias is None and x[..., 0].numel() <= 18)
-    got = _fixture_forwards(target, q, "reference")
+    got = _fixture_forwards(target, q, "reference", last_tap)
     n_layers = target.config.num_hidden_layers
     assert len(calls) == 4 * n_layers + 1, f"{len(calls)} kernel calls; 4 a layer and the head expected"
     if expected is None:
         monkeypatch.undo()
-        expected = _fixture_forwards(target, q, "reference")
+        expected = _fixture_forwards(target, q, "reference", last_tap)
     assert_close(got[0], expected[0], what=f"logits, q {q}", atol=2e-3, rtol=2e-3)
     assert_close(got[1], expected[1], what=f"taps, q {q}", atol=2e-3, rtol=2e-3)
 
