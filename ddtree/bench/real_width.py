@@ -254,10 +254,10 @@ def _gemm_candidates(x: torch.Tensor, weights: list[torch.Tensor], triton_tiles:
         bn, bk, nw = tiles or (None, None, 4)
         return lambda: [fused_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=nw) for w in weights]
 
-    cands: dict[str, Callable[[], Any]] = {"cublas": blas, "cublaslt": blas}
     def skinny(tiles: Tiles | None) -> Callable[[], Any]:
         return lambda: [skinny_linear(x, w, swiglu=swiglu, tiles=tiles) for w in weights]
 
+    cands: dict[str, Callable[[], Any]] = {"cublas": blas, "cublaslt": blas}
     if triton_tiles:
         for tiles in TILINGS:
             cands["triton " + ("default" if tiles is None else "{}x{}/{}w".format(*tiles))] = tiled(tiles)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.kernels.fused_linear import REAL_WIDTH
 from ddtree.kernels.norm_rope import norm_rope, norm_rope_qkv, norm_rope_write
 from ddtree.kernels.residual_norm import silu_mul
 from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, skinny_linear
@@ -25,11 +26,11 @@ from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, skinny_linear
 # they measured.
 GEMV_MAX_ROWS = 0
 GEMV_TILES: Tiles | None = None
-SKINNY_MIN_K = 1024  # below a real model's width a GEMM is a few us of launch either way
+SKINNY_MIN_K = REAL_WIDTH  # below a real model's width a GEMM is a few us of launch either way
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not GEMV_MAX_ROWS or bias is not None or not x.is_cuda or x.dtype == torch.float32:
+    if not GEMV_MAX_ROWS or bias is not None or not x.is_cuda or x.dtype == torch.float32 or x.dim() not in (2, 3):
         return False
     if x.shape[-1] < SKINNY_MIN_K or weight.stride(-1) != 1:
         return False
