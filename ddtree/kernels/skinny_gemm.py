@@ -12,12 +12,15 @@ At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kerne
   float32 partial sums to a workspace and counts itself in at an atomic counter of its column block; the
   last to arrive sums the partials, applies the epilogue and stores, then sets the counter back to 0, so the
   next launch (or CUDA-graph replay) starts clean. One launch, no memset, no second reduction kernel.
-- A decoder layer's neighbours ride along: RMSNorm of the rows as the prologue (each program recomputes its
-  rows' mean square over the whole K, a few KB from L2), SwiGLU's product (W = [gate; up]) and the residual add
-  as the epilogue. So a layer at batch 1 is four GEMM launches, the q/k rotation and the attention.
+- A decoder layer's neighbours ride along: RMSNorm of the rows (x times the norm weight goes into the
+  product, the sum of squares accumulates beside it from the same loads, and each row's 1 / rms scales its
+  sums at the end: a loop of its own over K before the product would not be pipelined and costs more than
+  the GEMM saves), SwiGLU's product (W = [gate; up]) and the residual add as the epilogue. So a layer at
+  batch 1 is four GEMM launches, the q/k rotation and the attention.
 
-Numerics: the norm rounds where RMSNorm rounds (the normalised row, then the scaled one); the product, SwiGLU
-and the residual add stay in float32 to one rounding at the store, where the reference rounds after each.
+Numerics: the product, the norm's scale, SwiGLU and the residual add stay in float32 to one rounding at the
+store, where the reference rounds after each op (RMSNorm rounds the normalised row before it is scaled; here
+x * norm weight is rounded once for the tensor cores). In float32 the two agree to float32 rounding.
 The workspace and counters are shared by every call on a device, so calls on one device must not overlap
 (the engine runs one stream). `skinny_linear_reference` is the torch path.
 """
@@ -70,13 +73,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.device) -> Tiles:
-    """Tiles for a product: 64 weight rows a program (32 for SwiGLU, whose program reads gate and up), K
-    split until about two programs run per SM, each split keeping at least four loads of K to pipeline."""
-    block_n, block_k = (32 if swiglu else 64), 128
+    """Tiles for a product, from the H200 sweep (docs/perf.md, "The engine at real width"): 64 weight rows a
+    program; with a third of the SMs' worth of column blocks or more, no split and loads of 256 along K (128
+    for SwiGLU, whose program reads gate and up rows); with fewer, K split until every SM has a program,
+    each split keeping at least four loads of 128 to pipeline."""
+    block_n = 64
     blocks = -(-n_out // block_n)
-    want = 2 * _sm_count(device)
-    split = max(1, min(-(-want // blocks), k // (4 * block_k)))
-    return Tiles(block_n=block_n, block_k=block_k, split=split, stages=4, warps=4)
+    sms = _sm_count(device)
+    if 3 * blocks >= sms:
+        block_k = 128 if swiglu or k < 4 * 256 else 256
+        return Tiles(block_n=block_n, block_k=block_k, split=1, stages=4, warps=4)
+    split = max(1, min(-(-sms // blocks), k // (4 * 128)))
+    return Tiles(block_n=block_n, block_k=128, split=split, stages=4, warps=4)
 
 
 class _Workspace:
@@ -144,14 +152,7 @@ if triton is not None:
         ks = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = W + w_rows[:, None] + ks[None, :]
         x_ptrs = X + rows[None, :] * sx_m + ks[:, None]
-        if HAS_NORM:  # each row's mean square over the whole K (the rows are few and sit in L2), in float32
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, k_dim, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                xk = tl.load(X + rows[None, :] * sx_m + kk[:, None], mask=(kk < k_dim)[:, None] & row_ok[None, :],
-                             other=0.0).to(tl.float32)
-                ss += tl.sum(xk * xk, 0)
-            rstd = 1.0 / tl.sqrt(ss / k_dim + eps)
+        ss = tl.zeros([BLOCK_M], tl.float32)  # the norm's sum of squares, over this program's part of K
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + k_split, k_dim), BLOCK_K):
@@ -162,10 +163,11 @@ if triton is not None:
                 k_ok = (k0 + tl.arange(0, BLOCK_K)) < k_dim
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            if HAS_NORM:  # RMSNorm's order: normalise in float32, round to x's dtype, then scale (and round)
+            if HAS_NORM:  # x * norm weight into the product; the row's 1 / rms scales the sums at the end
                 nw = tl.load(NW + k0 + tl.arange(0, BLOCK_K), mask=(k0 + tl.arange(0, BLOCK_K)) < k_dim, other=0.0)
-                h = (xt.to(tl.float32) * rstd[None, :]).to(xt.dtype).to(tl.float32)
-                xt = (h * nw.to(tl.float32)[:, None]).to(xt.dtype)
+                xf = xt.to(tl.float32)
+                ss += tl.sum(xf * xf, 0)
+                xt = (xf * nw.to(tl.float32)[:, None]).to(xt.dtype)
             acc = _product(w, xt, acc, UPCAST)
             if SWIGLU:  # the up rows follow the gate rows
                 if EVEN:
@@ -184,13 +186,21 @@ if triton is not None:
             tl.store(base + tile, acc, mask=col_ok[:, None])
             if SWIGLU:
                 tl.store(base + stride + tile, acc_up, mask=col_ok[:, None])
+            # each split's sums of squares, after all splits' partials: [SPLIT, column blocks, BLOCK_M]
+            ss_base = PART + SPLIT * (2 if SWIGLU else 1) * stride + pid_n * BLOCK_M
+            ss_stride = tl.num_programs(0) * BLOCK_M
+            if HAS_NORM:
+                tl.store(ss_base + pid_s * ss_stride + rows, ss)
             tl.debug_barrier()  # every thread's partials are written before the block counts itself in
             arrived = tl.atomic_add(COUNT + pid_n, 1, sem="acq_rel")
             last = arrived == SPLIT - 1
             if last:  # the others' partials, read past L1 (which is not coherent across SMs)
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                ss = tl.zeros([BLOCK_M], tl.float32)
                 for s in range(SPLIT):
+                    if HAS_NORM:
+                        ss += tl.load(ss_base + s * ss_stride + rows, cache_modifier=".cg")
                     part = PART + s * (2 if SWIGLU else 1) * stride
                     acc += tl.load(part + tile, mask=col_ok[:, None], other=0.0, cache_modifier=".cg")
                     if SWIGLU:
@@ -198,6 +208,10 @@ if triton is not None:
                                           cache_modifier=".cg")
                 tl.atomic_xchg(COUNT + pid_n, 0)  # ready for the next launch
         if last:
+            if HAS_NORM:  # RMSNorm's scale is a factor of each row's sums: (x * r) W = r (x W)
+                rstd = 1.0 / tl.sqrt(ss / k_dim + eps)
+                acc = acc * rstd[None, :]
+                acc_up = acc_up * rstd[None, :]
             if SWIGLU:
                 acc = acc * tl.sigmoid(acc) * acc_up
             out_ok = col_ok[:, None] & row_ok[None, :]
@@ -237,7 +251,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
     # each split covers a whole number of BLOCK_K loads (the last may cover fewer); none is empty
     k_split = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
     split = triton.cdiv(k, k_split)
-    count, part = WORKSPACE.get(x.device, split * (2 if swiglu else 1) * n_out * block_m if split > 1 else 0)
+    partial_elems = split * ((2 if swiglu else 1) * n_out + blocks) * block_m if split > 1 else 0
+    count, part = WORKSPACE.get(x.device, partial_elems)
     if blocks > count.numel():
         raise ValueError(f"skinny_linear: {blocks} column blocks exceed the {count.numel()} counters; "
                          f"use a larger Tiles.block_n")

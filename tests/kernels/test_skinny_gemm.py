@@ -65,7 +65,10 @@ CPU_CASES = [
     Case((1,), 256, 96, torch.float32),
     Case((3,), 200, 40, torch.float32, tiles=Tiles(32, 64, 3, 2, 4), seed=1),  # K, N off the tiles; 3 splits
     Case((1, 9), 512, 64, torch.float32, swiglu=True, tiles=Tiles(16, 64, 4, 2, 4), seed=2),
-    Case((1, 1), 1024, 130, torch.bfloat16, swiglu=True, seed=3),  # the chosen split; N off the block
+    Case((1, 1), 1024, 130, torch.bfloat16, swiglu=True, seed=3),  # the chosen tiles; N off the block
+    Case((1, 2), 2048, 40, torch.bfloat16, norm=True, seed=11),  # the chosen split (one column block), norm
+    Case((1, 9), 512, 64, torch.float32, swiglu=True, norm=True, residual=True, tiles=Tiles(16, 64, 4, 2, 4),
+         seed=12),  # every epilogue over split K
     Case((16,), 128, 64, torch.float16, tiles=Tiles(64, 32, 1, 2, 4), seed=4),
     Case((2, 7), 384, 48, torch.float32, tiles=Tiles(16, 128, 8, 2, 4), seed=5),  # more splits than loads: 3
     Case((33,), 96, 32, torch.float32, tiles=Tiles(16, 32, 2, 2, 4), seed=6),  # rows past one 16-row block
@@ -148,20 +151,24 @@ def test_triton_every_output_written_and_split_counters_reset() -> None:
     assert int(counters.abs().sum()) == 0, "an arrival counter was left set"
 
 
-def test_choose_tiles_fills_the_device_and_keeps_loads_to_pipeline() -> None:
+def test_choose_tiles_follows_the_h200_sweep() -> None:
     cuda = torch.device("cuda")
     sms = 132
     orig = skinny_gemm._sm_count
     try:
         skinny_gemm._sm_count = lambda device: sms  # type: ignore[assignment]
-        down = choose_tiles(1, 12288, 4096, False, cuda)  # 64 column blocks: split until ~2 programs an SM
-        assert down.block_n == 64 and down.split == 5 and 64 * down.split >= 2 * sms
-        head = choose_tiles(1, 4096, 151936, False, cuda)  # thousands of blocks: no split
-        assert head.split == 1
-        small_k = choose_tiles(1, 1024, 2048, False, cuda)  # splits keep >= 4 loads of 128
+        qkv = choose_tiles(1, 4096, 6144, False, cuda)  # 96 column blocks: no split, long loads
+        assert (qkv.block_n, qkv.block_k, qkv.split) == (64, 256, 1)
+        small = choose_tiles(1, 2048, 4096, False, cuda)  # 64 blocks (1b's q/k/v) is still a third of the SMs
+        assert small.split == 1
+        down = choose_tiles(1, 6144, 2048, False, cuda)  # 32 blocks: split K until every SM has a program
+        assert (down.block_k, down.split) == (128, 5) and 32 * down.split >= sms
+        small_k = choose_tiles(1, 1024, 1024, False, cuda)  # splits keep >= 4 loads of 128
         assert small_k.split == 2
-        glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows
-        assert glu.block_n == 32
+        glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows: loads of 128
+        assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
+        short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
+        assert short.block_k == 128
     finally:
         skinny_gemm._sm_count = orig  # type: ignore[assignment]
 
@@ -282,14 +289,15 @@ def _fixture_forwards(target, q: int, attention: str, last_tap: bool = True) -> 
     gen = torch.Generator().manual_seed(q)
     cache = target.new_cache(2, 40)
     with torch.no_grad():
-        prompt = torch.randint(2, target.config.vocab_size, (2, 24), generator=gen)
-        target.forward(prompt, torch.arange(24)[None].expand(2, 24), cache)
+        dev = target.device  # drawn on the CPU (the same ids on any device), then moved
+        prompt = torch.randint(2, target.config.vocab_size, (2, 24), generator=gen).to(dev)
+        target.forward(prompt, torch.arange(24, device=dev)[None].expand(2, 24), cache)
         cache.lengths.fill_(24)
-        ids = torch.randint(2, target.config.vocab_size, (2, q), generator=gen)
-        pos = (24 + torch.arange(q))[None].expand(2, q)
+        ids = torch.randint(2, target.config.vocab_size, (2, q), generator=gen).to(dev)
+        pos = (24 + torch.arange(q, device=dev))[None].expand(2, q)
         layers = [0, target.config.num_hidden_layers - 1] if last_tap else [0]
         logits, taps = target.forward(ids, pos, cache, tap_layers=layers, attention=attention,
-                                      logit_positions=torch.tensor([[max(q - 2, 0), q - 1]] * 2))
+                                      logit_positions=torch.tensor([[max(q - 2, 0), q - 1]] * 2, device=dev))
     return logits, taps
 
 
