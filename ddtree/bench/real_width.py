@@ -49,13 +49,16 @@ from ddtree.kernels import residual_norm
 from ddtree.kernels.fused_linear import fused_linear_triton
 from ddtree.kernels.skinny_gemm import Tiles, skinny_linear, skinny_linear_reference
 from ddtree.models import layers
+from ddtree.models import target as target_module
 
-# name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the Triton kernel, its tiles, BLAS)
-VARIANTS: dict[str, tuple[bool, int, Tiles | None, str]] = {
-    "torch ops": (False, 0, None, "cublas"),
-    "fused": (True, 0, None, "cublas"),
-    "fused, cublaslt": (True, 0, None, "cublaslt"),
-    "fused, skinny gemm": (True, 16, None, "cublas"),
+# name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the Triton kernel, its tiles, BLAS,
+# norms and residual adds inside the skinny GEMMs: off, the layers keep their add + norm kernels)
+VARIANTS: dict[str, tuple[bool, int, Tiles | None, str, bool]] = {
+    "torch ops": (False, 0, None, "cublas", True),
+    "fused": (True, 0, None, "cublas", True),
+    "fused, cublaslt": (True, 0, None, "cublaslt", True),
+    "fused, skinny gemm": (True, 16, None, "cublas", True),
+    "fused, skinny gemm, norms apart": (True, 16, None, "cublas", False),
 }
 DEFAULT_VARIANT = "fused"
 # (block_n, block_k, num_warps) tried for the Triton kernel at few rows; None = its own choice
@@ -179,16 +182,17 @@ def kernel_table(run: Callable[[], None], device: torch.device, steps: int = 5) 
 @contextlib.contextmanager
 def variant(name: str, device: torch.device) -> Iterator[None]:
     """The target's kernels as VARIANTS[name] says, restored afterwards."""
-    fused, gemv_rows, tiles, blas = VARIANTS[name]
-    saved = (residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES)
+    fused, gemv_rows, tiles, blas, into_gemms = VARIANTS[name]
+    saved = (residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES, target_module.NORMS_IN_SKINNY_GEMMS)
     saved_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES = fused, gemv_rows, tiles
+    target_module.NORMS_IN_SKINNY_GEMMS = into_gemms
     if device.type == "cuda":
         torch.backends.cuda.preferred_blas_library(blas)
     try:
         yield
     finally:
-        residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES = saved
+        residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES, target_module.NORMS_IN_SKINNY_GEMMS = saved
         if saved_blas is not None:
             torch.backends.cuda.preferred_blas_library(saved_blas)
 

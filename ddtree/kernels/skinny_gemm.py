@@ -72,16 +72,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.device) -> Tiles:
+def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.device,
+                 itemsize: int = 2) -> Tiles:
     """Tiles for a product, from the H200 sweep (docs/perf.md, "The engine at real width"): 64 weight rows a
     program; with a third of the SMs' worth of column blocks or more, no split and loads of 256 along K (128
-    for SwiGLU, whose program reads gate and up rows); with fewer, K split until every SM has a program,
+    for SwiGLU, whose program reads gate and up rows, and for float32, whose four stages of 256 would not fit
+    in shared memory); with fewer, K split until every SM has a program,
     each split keeping at least four loads of 128 to pipeline."""
     block_n = 64
     blocks = -(-n_out // block_n)
     sms = _sm_count(device)
     if 3 * blocks >= sms:
-        block_k = 128 if swiglu or k < 4 * 256 else 256
+        block_k = 128 if swiglu or itemsize > 2 or k < 4 * 256 else 256
         return Tiles(block_n=block_n, block_k=block_k, split=1, stages=4, warps=4)
     split = max(1, min(-(-sms // blocks), k // (4 * 128)))
     return Tiles(block_n=block_n, block_k=128, split=split, stages=4, warps=4)
@@ -245,7 +247,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
     r2 = out.view(n_rows, n_out) if residual is None else residual.reshape(n_rows, n_out)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device)
+    tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device, x.element_size())
     block_m = max(16, triton.next_power_of_2(n_rows))
     blocks = triton.cdiv(n_out, tiles.block_n)
     # each split covers a whole number of BLOCK_K loads (the last may cover fewer); none is empty

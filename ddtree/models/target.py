@@ -24,6 +24,10 @@ from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear, skinny_route
 
+# On the skinny route, each layer's norms and residual adds run inside its GEMMs; off, the layers keep their
+# add + norm kernels around skinny GEMMs (real_width times both)
+NORMS_IN_SKINNY_GEMMS = True
+
 
 def rotary_positions(max_position_embeddings: int) -> int:
     """Positions a model's RoPE table covers: the longest context, then a verify window and a draft block
@@ -229,6 +233,8 @@ class Target(nn.Module):
         """Whether the layers' projections take the skinny kernel for x's rows (then norms and residual adds ride
         in its GEMMs): fused, bias-free projections on the few-row route (layers.skinny_route), as the first
         layer's are. A layer whose weights were replaced since runs the same norm and add as torch ops."""
+        if not NORMS_IN_SKINNY_GEMMS:
+            return False
         first = self.model.layers[0]
         qkv, gate_up = first.self_attn.qkv_proj, first.mlp.gate_up
         if qkv is None or gate_up is None or not skinny_route(x, qkv.weight):  # off (the default): one look

@@ -169,6 +169,8 @@ def test_choose_tiles_follows_the_h200_sweep() -> None:
         assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
         short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
         assert short.block_k == 128
+        wide = choose_tiles(1, 4096, 6144, False, cuda, itemsize=4)  # float32: 4 stages of 256 overflow shared memory
+        assert wide.block_k == 128
     finally:
         skinny_gemm._sm_count = orig  # type: ignore[assignment]
 
