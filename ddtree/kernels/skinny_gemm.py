@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 MAX_ROWS = 64  # x.T is one MMA operand of at most this many columns
+STAGED_BYTES = 192 << 10  # the pipelined tiles a program holds (an H200 block has 227 KB of shared memory)
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,19 @@ def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.devi
                  itemsize: int = 2) -> Tiles:
     """Tiles for a product, from the H200 sweep (docs/perf.md, "The engine at real width"): 64 weight rows a
     program; with a third of the SMs' worth of column blocks or more, no split and loads of 256 along K (128
-    for SwiGLU, whose program reads gate and up rows, and for float32, whose four stages of 256 would not fit
-    in shared memory); with fewer, K split until every SM has a program,
+    for SwiGLU, whose program reads gate and up rows), halved while four stages of the weight and x tiles
+    would not fit in STAGED_BYTES (float32, many rows); with fewer, K split until every SM has a program,
     each split keeping at least four loads of 128 to pipeline."""
-    block_n = 64
+    block_n, stages = 64, 4
+    block_m = max(16, 1 << max(rows - 1, 0).bit_length())
     blocks = -(-n_out // block_n)
     sms = _sm_count(device)
-    if 3 * blocks >= sms:
-        block_k = 128 if swiglu or itemsize > 2 or k < 4 * 256 else 256
-        return Tiles(block_n=block_n, block_k=block_k, split=1, stages=4, warps=4)
-    split = max(1, min(-(-sms // blocks), k // (4 * 128)))
-    return Tiles(block_n=block_n, block_k=128, split=split, stages=4, warps=4)
+    split, block_k = 1, (128 if swiglu or k < 4 * 256 else 256)
+    if 3 * blocks < sms:
+        split, block_k = max(1, min(-(-sms // blocks), k // (4 * 128))), 128
+    while block_k > 32 and stages * (block_n * (2 if swiglu else 1) + block_m) * block_k * itemsize > STAGED_BYTES:
+        block_k //= 2
+    return Tiles(block_n=block_n, block_k=block_k, split=split, stages=stages, warps=4)
 
 
 class _Workspace:

@@ -169,8 +169,10 @@ def test_choose_tiles_follows_the_h200_sweep() -> None:
         assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
         short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
         assert short.block_k == 128
-        wide = choose_tiles(1, 4096, 6144, False, cuda, itemsize=4)  # float32: 4 stages of 256 overflow shared memory
-        assert wide.block_k == 128
+        # four stages of the tiles must fit in shared memory: float32 and many rows take shorter loads
+        assert choose_tiles(1, 4096, 6144, False, cuda, itemsize=4).block_k == 128
+        assert choose_tiles(18, 256, 1024, True, cuda, itemsize=4).block_k == 64
+        assert choose_tiles(64, 4096, 6144, False, cuda).block_k == 128
     finally:
         skinny_gemm._sm_count = orig  # type: ignore[assignment]
 
