@@ -51,16 +51,17 @@ from ddtree.kernels.skinny_gemm import Tiles, skinny_linear, skinny_linear_refer
 from ddtree.models import layers
 from ddtree.models import target as target_module
 
-# name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the Triton kernel, its tiles, BLAS,
-# norms and residual adds inside the skinny GEMMs: off, the layers keep their add + norm kernels)
+# name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the skinny Triton GEMM, its tiles,
+# BLAS, norms and residual adds inside the skinny GEMMs; off, the layers keep their add + norm kernels).
+# "fused, skinny gemm" is the engine's default (models.layers.GEMV_MAX_ROWS, target.NORMS_IN_SKINNY_GEMMS).
 VARIANTS: dict[str, tuple[bool, int, Tiles | None, str, bool]] = {
     "torch ops": (False, 0, None, "cublas", True),
     "fused": (True, 0, None, "cublas", True),
     "fused, cublaslt": (True, 0, None, "cublaslt", True),
-    "fused, skinny gemm": (True, 16, None, "cublas", True),
-    "fused, skinny gemm, norms apart": (True, 16, None, "cublas", False),
+    "fused, skinny gemm": (True, 16, None, "cublas", False),
+    "fused, skinny gemm, norms inside": (True, 16, None, "cublas", True),
 }
-DEFAULT_VARIANT = "fused"
+DEFAULT_VARIANT = "fused, skinny gemm"
 # (block_n, block_k, num_warps) tried for the Triton kernel at few rows; None = its own choice
 TILINGS: list[tuple[int, int, int] | None] = [None, (64, 128, 4), (32, 128, 4), (16, 256, 4), (64, 256, 8)]
 # the skinny kernel's tilings tried at few rows (None = choose_tiles); --skinny-sweep adds SKINNY_SWEEP
@@ -549,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--default-variant", default=DEFAULT_VARIANT, choices=list(VARIANTS),
-                   help="the variant profiled and run over every tree size")
+    p.add_argument("--default-variant", choices=list(VARIANTS),
+                   help="the variant profiled and run over every tree size (one of --variants; default: "
+                        f"{DEFAULT_VARIANT!r} when listed, else the first)")
     p.add_argument("--parts", nargs="+", default=["gemm", "forward", "rounds", "peer"],
                    choices=["gemm", "forward", "rounds", "peer"])
     p.add_argument("--draft-layers", nargs="+", type=int, default=[2],
@@ -563,7 +565,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.default_variant is None:
+        args.default_variant = DEFAULT_VARIANT if DEFAULT_VARIANT in args.variants else args.variants[0]
+    elif args.default_variant not in args.variants:
+        parser.error(f"--default-variant {args.default_variant!r} is not among --variants {args.variants}; add it there")
     if args.skinny_sweep:
         SKINNY_TILINGS[:] = [None, *SKINNY_SWEEP]
     device = torch.device(args.device)

@@ -319,6 +319,7 @@ def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: 
     target.fuse_projections()
     expected = _fixture_forwards(target, q, "reference", last_tap)
     monkeypatch.setattr(target_module, "skinny_route", lambda x, weight: True)
+    monkeypatch.setattr(target_module, "NORMS_IN_SKINNY_GEMMS", True)
     with torch.no_grad():  # training (gradients to the weights) runs the separate Linears
         assert target._skinny_layers(torch.zeros(1, 1, target.config.hidden_size))
     got = _fixture_forwards(target, q, "reference", last_tap)
@@ -326,13 +327,16 @@ def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: 
 
 
 @needs_triton
-@pytest.mark.parametrize(("q", "last_tap"), [(1, True), (9, True), (9, False)])
-def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool,
+@pytest.mark.parametrize(("q", "last_tap", "norms_inside"), [(1, True, True), (9, True, True), (9, False, True),
+                                                             (9, True, False)])
+def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool, norms_inside: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fixture target's forward with every few-row GEMM on the kernel (norm prologues, SwiGLU and residual
-    epilogues; in the interpreter on the CPU) against its cuBLAS / torch-ops forward."""
+    """The fixture target's forward with every few-row GEMM on the kernel (with norms_inside, its norm
+    prologues and residual epilogues too; the SwiGLU epilogue always; in the interpreter on the CPU) against
+    its cuBLAS / torch-ops forward."""
     from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import layers, load_target
+    from ddtree.models import target as target_module
 
     target = load_target(FIXTURE_TARGET, device=DEVICE, dtype=torch.float32)
     target.fuse_projections()
@@ -342,6 +346,7 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool
     monkeypatch.setattr(layers, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     # the fixture is float32 and narrow: let the route take the 2 x q rows after the prefill (IEEE float32 on a GPU too)
     monkeypatch.setattr(layers, "_gemv_rows", lambda x, weight, bias: bias is None and x[..., 0].numel() <= 18)
+    monkeypatch.setattr(target_module, "NORMS_IN_SKINNY_GEMMS", norms_inside)
     got = _fixture_forwards(target, q, "reference", last_tap)
     n_layers = target.config.num_hidden_layers
     assert len(calls) == 4 * n_layers + 1, f"{len(calls)} kernel calls; 4 a layer and the head expected"

@@ -76,6 +76,13 @@ def test_main_on_the_tiny_shape_writes_forward_rounds_and_profiles(tmp_path: Pat
     assert "RANDOM WEIGHTS" in md and "| kind | launches |" in md and "/ AR step" in md
 
 
+def test_a_default_variant_outside_the_variants_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        real_width.main(["--shapes", "tiny", "--device", "cpu", "--variants", "fused", "torch ops",
+                         "--default-variant", "fused, skinny gemm"])
+    assert "--default-variant 'fused, skinny gemm' is not among --variants" in capsys.readouterr().err
+
+
 def test_engine_bench_builds_in_memory_and_prints_floors(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     rc = bench_main(["--shape", "tiny", "--in-memory", "--device", "cpu", "--configs", "ar", "b4-k4-w2048-bs8",
