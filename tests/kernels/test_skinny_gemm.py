@@ -357,14 +357,15 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool
     assert_close(got[1], expected[1], what=f"taps, q {q}", atol=2e-3, rtol=2e-3)
 
 
-def _hopper_build(**constexprs: object) -> object:
+def _hopper_build(dtype: str = "bf16", stages: int = 4, warps: int = 4, **constexprs: object) -> object:
     """The kernel compiled for sm_90 as the JIT would specialise it for real-width shapes (pointers, dims
     and strides divisible by 16); no GPU needed."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = skinny_gemm._skinny_kernel
-    pointers = {"X": "*bf16", "W": "*bf16", "NW": "*bf16", "R": "*bf16", "OUT": "*bf16", "PART": "*fp32", "COUNT": "*i32"}
+    pointers = {"X": f"*{dtype}", "W": f"*{dtype}", "NW": f"*{dtype}", "R": f"*{dtype}", "OUT": f"*{dtype}",
+                "PART": "*fp32", "COUNT": "*i32"}
     ints = ("n_rows", "n_out", "k_dim", "k_split", "sx_m", "sw_n", "sr_m", "so_m")
     values = {"SPLIT": 4, "SWIGLU": False, "HAS_NORM": False, "HAS_RES": False, "UPCAST": False, "EVEN": True,
               "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128} | constexprs
@@ -373,7 +374,50 @@ def _hopper_build(**constexprs: object) -> object:
     aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n != "n_rows"}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(index(n),): v for n, v in values.items()},
                        attrs=aligned)
-    return skinny_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    return skinny_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+
+
+def _needs_compiled_kernel() -> None:
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(skinny_gemm._skinny_kernel, JITFunction):
+        pytest.skip("the Triton interpreter is on in this process (its kernels are not compiled); "
+                    "this check runs in the test process itself")
+
+
+H200_SHARED_BYTES = 232448  # the most shared memory a block may take on an H200 (227 KB)
+
+
+@pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is not installed")
+@pytest.mark.parametrize(("rows", "k", "n", "swiglu", "dtype", "epilogue"), [
+    (1, 4096, 6144, False, "bf16", {"HAS_NORM": True}),  # 8b q/k/v
+    (16, 4096, 12288, True, "bf16", {"HAS_NORM": True}),  # 8b gate/up at the route's most rows
+    (9, 12288, 4096, False, "bf16", {"HAS_RES": True}),  # 8b down
+    (1, 6144, 2048, False, "bf16", {}),  # 1b down: split K
+    (64, 4096, 6144, False, "bf16", {}),  # the kernel's most rows
+    (64, 4096, 12288, True, "fp16", {}),
+    (18, 256, 1024, True, "fp32", {"UPCAST": True}),  # the fixture target's gate/up in its forward test
+    (18, 1024, 256, False, "fp32", {"UPCAST": True, "HAS_RES": True}),  # and its down
+], ids=lambda v: str(v) if not isinstance(v, dict) else "+".join(v) or "plain")
+def test_chosen_tiles_fit_the_h200s_shared_memory(rows: int, k: int, n: int, swiglu: bool, dtype: str,
+                                                  epilogue: dict) -> None:
+    """choose_tiles' pick for each shape the engine and the GPU tests launch compiles for sm_90 within a
+    block's shared memory (four stages of 64 x 128 float32 SwiGLU tiles at 18 rows once needed 257 KB, and
+    the launch failed on the H200 only)."""
+    _needs_compiled_kernel()
+    itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    orig = skinny_gemm._sm_count
+    try:
+        skinny_gemm._sm_count = lambda device: 132  # type: ignore[assignment]
+        tiles = choose_tiles(rows, k, n, swiglu, torch.device("cuda"), itemsize)
+    finally:
+        skinny_gemm._sm_count = orig  # type: ignore[assignment]
+    build = _hopper_build(dtype, tiles.stages, tiles.warps, SPLIT=tiles.split, SWIGLU=swiglu,
+                          BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=tiles.block_n,
+                          BLOCK_K=tiles.block_k, EVEN=k % tiles.block_k == 0, **epilogue)
+    assert build.metadata.shared <= H200_SHARED_BYTES, (
+        f"{tiles.label} for {rows} x {k} -> {n} ({dtype}) takes {build.metadata.shared} B of shared memory")
 
 
 @pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is not installed")
@@ -383,11 +427,7 @@ def test_hopper_build_pipelines_the_weight_loads_into_wgmma(epilogue: dict) -> N
     (cp.async) into `stages` shared-memory buffers, and the product is Hopper's wgmma. A change that loses
     the pipeline (a load the pipeliner cannot take, a transformed operand) builds and passes the numeric
     tests, and reads the weight at a fraction of the bandwidth."""
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(skinny_gemm._skinny_kernel, JITFunction):
-        pytest.skip("the Triton interpreter is on in this process (its kernels are not compiled); "
-                    "this check runs in the test process itself")
+    _needs_compiled_kernel()
     build = _hopper_build(**epilogue)
     ptx = build.asm["ptx"]
     parts = 2 if epilogue.get("SWIGLU") else 1
