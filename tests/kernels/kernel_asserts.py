@@ -86,10 +86,11 @@ def interpreter_off_but_installed() -> bool:
     return not ok and "child process" in reason
 
 
-def run_triton_cases_in_child(test_file: str, keyword: str) -> None:
-    """Run `test_file -k keyword` in a fresh interpreter with TRITON_INTERPRET=1; fail with its output tail."""
+def run_triton_cases_in_child(test_file: str, keyword: str, interpret: bool = True) -> None:
+    """Run `test_file -k keyword` in a fresh interpreter with TRITON_INTERPRET=1 (0 with interpret=False: the
+    kernels are compiled, for checks of their GPU builds); fail with its output tail."""
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
     cmd = [sys.executable, "-m", "pytest", test_file, "-k", keyword, "-q", "-p", "no:cacheprovider", "-x"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
     tail = (proc.stdout + proc.stderr)[-4000:]

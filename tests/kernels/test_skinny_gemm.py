@@ -259,6 +259,19 @@ def test_triton_cases_in_interpreter_child() -> None:
     run_triton_cases_in_child(__file__, "triton")
 
 
+def _kernel_is_interpreted() -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(skinny_gemm._skinny_kernel, JITFunction)
+
+
+@pytest.mark.skipif(skinny_gemm.triton is None or not _kernel_is_interpreted(),
+                    reason="the kernel is compiled in this process, so its sm_90 build checks ran here, "
+                           "or triton is not installed")
+def test_sm90_checks_in_a_compiling_child() -> None:
+    run_triton_cases_in_child(__file__, "hopper_build or shared_memory", interpret=False)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     pytest.param({"norm_weight": torch.ones(32)}, r"norm_weight must be \[K=64\]", id="norm-shape"),
     pytest.param({"residual": torch.zeros(2, 7)}, r"skinny_linear: residual must be \(2, 8\)", id="residual-shape"),
@@ -379,11 +392,9 @@ def _hopper_build(dtype: str = "bf16", stages: int = 4, warps: int = 4, **conste
 
 
 def _needs_compiled_kernel() -> None:
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(skinny_gemm._skinny_kernel, JITFunction):
+    if _kernel_is_interpreted():
         pytest.skip("the Triton interpreter is on in this process (its kernels are not compiled); "
-                    "this check runs in the test process itself")
+                    "test_sm90_checks_in_a_compiling_child runs it")
 
 
 H200_SHARED_BYTES = 232448  # the most shared memory a block may take on an H200 (227 KB)
