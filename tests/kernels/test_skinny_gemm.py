@@ -136,6 +136,46 @@ def test_triton_matches_reference_gpu(case: Case) -> None:
     check(case)
 
 
+def check_rows_alike(case: Case) -> None:
+    """Every row of a product is the same bits whether it runs alone or among up to 16 rows (the tiles and the
+    order of the sums do not depend on the row count there), so an AR step's row and a verify's rows agree."""
+    x, weight = make_inputs(case)
+    more = extras(case)
+    tiles = case.tiles  # None: the kernel's own choice at each row count, as the engine runs it
+    full = skinny_linear(x, weight, swiglu=case.swiglu, tiles=tiles, **more)
+    for rows in (1, 5, 9, 15):
+        part = {k: None if v is None else v[:rows] for k, v in more.items() if k == "residual"}
+        alone = skinny_linear(x[:rows], weight, swiglu=case.swiglu, tiles=tiles,
+                              norm_weight=more["norm_weight"], **part)
+        assert torch.equal(alone, full[:rows]), f"{case.id}: {rows} rows differ from the first {rows} of 16"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id) for c in [
+        # float32 outputs: a 16-bit store would round away most differences in the sums
+        Case((16,), 512, 64, torch.float32, seed=30),
+        Case((16,), 512, 48, torch.float32, swiglu=True, norm=True, tiles=Tiles(16, 64, 3, 2, 4), seed=31),
+        Case((16,), 256, 40, torch.float32, residual=True, tiles=Tiles(16, 32, 4, 2, 4), seed=32),
+    ]])
+def test_triton_rows_alike_at_any_row_count(case: Case) -> None:
+    check_rows_alike(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: real widths are too slow for the Triton interpreter")
+@pytest.mark.skipif(not TRITON_OK, reason=TRITON_WHY)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id) for c in [
+        Case((16,), 2048, 4096, torch.bfloat16, seed=33),  # 1b q/k/v: no split, loads of 256
+        Case((16,), 6144, 2048, torch.bfloat16, seed=34),  # 1b down: split K
+        Case((16,), 4096, 12288, torch.bfloat16, swiglu=True, seed=35),  # 8b gate/up
+        Case((16,), 4096, 4096, torch.bfloat16, residual=True, norm=True, seed=36),
+    ]])
+def test_triton_rows_alike_at_any_row_count_gpu(case: Case) -> None:
+    check_rows_alike(case)
+
+
 @needs_triton
 def test_triton_every_output_written_and_split_counters_reset() -> None:
     """Outputs NaN-poisoned by the allocator would show: every element is written, for split and unsplit
