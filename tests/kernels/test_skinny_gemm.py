@@ -427,8 +427,9 @@ def _hopper_build(dtype: str = "bf16", stages: int = 4, warps: int = 4, **conste
     aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n != "n_rows"}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(index(n),): v for n, v in values.items()},
                        attrs=aligned)
+    # fp fusion as the JIT's default has it (Triton 3.9 warns when it is left to the default)
     return skinny_gemm.triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
+                                      options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
 
 
 def _needs_compiled_kernel() -> None:
