@@ -15,8 +15,9 @@ At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kerne
 - A decoder layer's neighbours ride along: RMSNorm of the rows (x times the norm weight goes into the
   product, the sum of squares accumulates beside it from the same loads, and each row's 1 / rms scales its
   sums at the end: a loop of its own over K before the product would not be pipelined and costs more than
-  the GEMM saves), SwiGLU's product (W = [gate; up]) and the residual add as the epilogue. So a layer at
-  batch 1 is four GEMM launches, the q/k rotation and the attention.
+  the GEMM saves), SwiGLU's product (W = [gate; up]) and the residual add as the epilogue. With all of
+  them a layer at batch 1 is four GEMM launches, the q/k rotation and the attention; the engine uses the
+  SwiGLU epilogue only (target.NORMS_IN_SKINNY_GEMMS: the in-GEMM norm was slower on the H200).
 
 Numerics: the product, the norm's scale, SwiGLU and the residual add stay in float32 to one rounding at the
 store, where the reference rounds after each op (RMSNorm rounds the normalised row before it is scaled; here

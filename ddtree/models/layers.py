@@ -21,9 +21,9 @@ from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, skinny_linear
 
 # Inference linears of at most this many rows (bias-free, 16-bit, CUDA, K >= SKINNY_MIN_K) run
 # ddtree.kernels.skinny_gemm's Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the
-# same launch; 0 = cuBLAS always. 16 covers batch 1's AR step, verify and drafter block. Process-wide, like the engine's BLAS choice; GEMV_TILES = a skinny_gemm.Tiles
-# for every product, or None (the kernel's own choice). docs/perf.md, "The engine at real width", says what
-# they measured.
+# same launch; 0 = cuBLAS always. 16 covers batch 1's AR step, verify and drafter block. Process-wide, like
+# the engine's BLAS choice; GEMV_TILES = a skinny_gemm.Tiles for every product, or None (the kernel's own
+# choice). docs/perf.md, "The engine at real width", says what they measured.
 GEMV_MAX_ROWS = 16
 GEMV_TILES: Tiles | None = None
 SKINNY_MIN_K = REAL_WIDTH  # below a real model's width a GEMM is a few us of launch either way

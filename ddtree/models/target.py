@@ -25,8 +25,8 @@ from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear, skinny_route
 
 # On the skinny route, whether each layer's norms and residual adds run inside its GEMMs (four launches a
-# layer). Off by default: the norm's x goes through registers on its way to the tensor cores, which cost the
-# H200 more than the two add + norm launches it saves (docs/perf.md, "The engine at real width").
+# layer). Off by default: on the H200 the in-GEMM norm cost more than the two add + norm launches it saves
+# (docs/perf.md, "The engine at real width").
 NORMS_IN_SKINNY_GEMMS = False
 
 
