@@ -16,7 +16,8 @@ folder would be 16 GB to write and read back); only timings mean something. Per 
 4. Engine rounds (DecodeBatch.step, graphed, its one host sync included): AR and b8-k4 at batch 1 per
    variant, and at batch 32 the round time by tree size; round / AR step beside the floors.
 5. The peer: the same shape as transformers' Qwen3ForCausalLM (sdpa, bfloat16): `generate` with a static
-   cache, and one decode step captured as a CUDA graph where that works.
+   cache, eager (transformers would compile that forward on CUDA by default; `--peer-compile` times that
+   too, after minutes of compiling at 8b), and one decode step captured as a CUDA graph where that works.
 
 Writes real_width.json (every number) and real_width.md (the tables) under --out-dir after each part.
 On the CPU (tests) the same code runs eagerly on tiny shapes.
@@ -373,9 +374,12 @@ def rounds_part(engine: Engine, context: int, batches: list[int], variants: list
     return rows
 
 
-def peer_part(shape: str, device: torch.device, dtype: torch.dtype, context: int, steps: int = 32) -> dict[str, Any]:
+def peer_part(shape: str, device: torch.device, dtype: torch.dtype, context: int, steps: int = 32,
+              compiled: bool = False) -> dict[str, Any]:
     """transformers' Qwen3ForCausalLM of the same shape (random weights, sdpa): ms per decode step at batch 1,
-    by generate with a static cache (eager), and as one captured decode step where the capture works."""
+    by generate with a static cache (eager; with `compiled` also with the forward torch.compiled, as
+    transformers does by default for a static cache on CUDA), and as one captured decode step where the
+    capture works."""
     out: dict[str, Any] = {}
     try:
         import transformers
@@ -400,23 +404,25 @@ def peer_part(shape: str, device: torch.device, dtype: torch.dtype, context: int
     model = held[0]
     prompt = torch.randint(0, vocab, (1, context), device=device)
 
-    def gen(n: int) -> float:
+    def gen(n: int, compile_forward: bool) -> float:
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           cache_implementation="static", pad_token_id=0)
+                           cache_implementation="static", pad_token_id=0, disable_compile=not compile_forward)
         _sync(device)
         return time.perf_counter() - t0
 
-    try:
-        gen(4)
-        short = statistics.median(gen(4) for _ in range(3))
-        long = statistics.median(gen(4 + steps) for _ in range(3))
-        out["generate_static_ms"] = 1000 * (long - short) / steps
-        print(f"  peer generate (static cache, eager): {out['generate_static_ms']:.3f} ms/step", flush=True)
-    except Exception as err:
-        out["generate_error"] = repr(err)[:400]
+    for label, compile_forward in [("eager", False), *([("compiled", True)] if compiled else [])]:
+        try:
+            gen(4, compile_forward)  # warm-up (and the compile)
+            short = statistics.median(gen(4, compile_forward) for _ in range(3))
+            long = statistics.median(gen(4 + steps, compile_forward) for _ in range(3))
+            out[f"generate_static_{label}_ms"] = 1000 * (long - short) / steps
+            print(f"  peer generate (static cache, {label}): {out[f'generate_static_{label}_ms']:.3f} ms/step",
+                  flush=True)
+        except Exception as err:
+            out[f"generate_{label}_error"] = repr(err)[:400]
     try:
         out["graph_step_ms"] = _peer_graph_step(model, cfg, prompt, device, context)
         print(f"  peer decode step as a CUDA graph: {out['graph_step_ms']:.3f} ms", flush=True)
@@ -515,8 +521,9 @@ def _guarded(part: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
         print(f"  {name} FAILED: {err!r}", flush=True)
 
 
-def _peer_into(part: dict[str, Any], shape: str, device: torch.device, dtype: torch.dtype, context: int) -> None:
-    part["peer"] = peer_part(shape, device, dtype, context)
+def _peer_into(part: dict[str, Any], shape: str, device: torch.device, dtype: torch.dtype, context: int,
+               compiled: bool) -> None:
+    part["peer"] = peer_part(shape, device, dtype, context, compiled=compiled)
 
 
 def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Namespace, shape: str) -> None:
@@ -557,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["gemm", "forward", "rounds", "peer"])
     p.add_argument("--draft-layers", nargs="+", type=int, default=[2],
                    help="drafter depths; the first is the main one, others add AR / b8-k4 rows at batch 1")
+    p.add_argument("--peer-compile", action="store_true",
+                   help="also time the peer's generate with its forward torch.compiled (transformers' default "
+                        "for a static cache on CUDA; minutes of compiling at 8b)")
     p.add_argument("--skinny-sweep", action="store_true",
                    help="time the skinny kernel at every SKINNY_SWEEP tiling in the gemm part (a tuning run)")
     p.add_argument("--out-dir", type=Path, default=Path("real_width"))
@@ -591,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         if not set(args.parts) - {"peer"}:  # the peer alone: no pair of ours to build
             report["shapes"][shape] = part = {"label": "the peer only", "layers": SHAPES[shape].layers}
-            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context))
+            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context,
+                                                         args.peer_compile))
             write()
             continue
         target, drafter = random_models(shape, device=device, dtype=dtype, draft_layers=args.draft_layers[0])
@@ -617,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         del engine, target
         _free(device)
         if "peer" in args.parts:
-            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context))
+            _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context,
+                                                         args.peer_compile))
             _free(device)
             write()
     write()

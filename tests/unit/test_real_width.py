@@ -76,6 +76,27 @@ def test_main_on_the_tiny_shape_writes_forward_rounds_and_profiles(tmp_path: Pat
     assert "RANDOM WEIGHTS" in md and "| kind | launches |" in md and "/ AR step" in md
 
 
+def test_the_peer_times_generate_eager_unless_asked_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers compiles a static cache's forward on CUDA unless told not to, which took the 8b peer past
+    its time limit under an "eager" label: the peer passes disable_compile, and compiles only when asked."""
+    transformers = pytest.importorskip("transformers")
+    calls: list[bool] = []
+    real = transformers.Qwen3ForCausalLM.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs["disable_compile"])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "generate", spy)
+    out = real_width.peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2)
+    assert out["generate_static_eager_ms"] > 0 and "generate_static_compiled_ms" not in out
+    assert calls and all(calls), "generate ran with its forward left to auto-compile"
+    calls.clear()
+    out = real_width.peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2, compiled=True)
+    assert {"generate_static_eager_ms", "generate_static_compiled_ms"} <= set(out)
+    assert True in calls and False in calls
+
+
 def test_a_default_variant_outside_the_variants_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         real_width.main(["--shapes", "tiny", "--device", "cpu", "--variants", "fused", "torch ops",
