@@ -191,30 +191,26 @@ def test_triton_every_output_written_and_split_counters_reset() -> None:
     assert int(counters.abs().sum()) == 0, "an arrival counter was left set"
 
 
-def test_choose_tiles_follows_the_h200_sweep() -> None:
+def test_choose_tiles_follows_the_h200_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
     sms = 132
-    orig = skinny_gemm._sm_count
-    try:
-        skinny_gemm._sm_count = lambda device: sms  # type: ignore[assignment]
-        qkv = choose_tiles(1, 4096, 6144, False, cuda)  # 96 column blocks: no split, long loads
-        assert (qkv.block_n, qkv.block_k, qkv.split) == (64, 256, 1)
-        small = choose_tiles(1, 2048, 4096, False, cuda)  # 64 blocks (1b's q/k/v) is still a third of the SMs
-        assert small.split == 1
-        down = choose_tiles(1, 6144, 2048, False, cuda)  # 32 blocks: split K until every SM has a program
-        assert (down.block_k, down.split) == (128, 5) and 32 * down.split >= sms
-        small_k = choose_tiles(1, 1024, 1024, False, cuda)  # splits keep >= 4 loads of 128
-        assert small_k.split == 2
-        glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows: loads of 128
-        assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
-        short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
-        assert short.block_k == 128
-        # four stages of the tiles must fit in shared memory: float32 and many rows take shorter loads
-        assert choose_tiles(1, 4096, 6144, False, cuda, itemsize=4).block_k == 128
-        assert choose_tiles(18, 256, 1024, True, cuda, itemsize=4).block_k == 64
-        assert choose_tiles(64, 4096, 6144, False, cuda).block_k == 128
-    finally:
-        skinny_gemm._sm_count = orig  # type: ignore[assignment]
+    monkeypatch.setattr(skinny_gemm, "_sm_count", lambda device: sms)
+    qkv = choose_tiles(1, 4096, 6144, False, cuda)  # 96 column blocks: no split, long loads
+    assert (qkv.block_n, qkv.block_k, qkv.split) == (64, 256, 1)
+    small = choose_tiles(1, 2048, 4096, False, cuda)  # 64 blocks (1b's q/k/v) is still a third of the SMs
+    assert small.split == 1
+    down = choose_tiles(1, 6144, 2048, False, cuda)  # 32 blocks: split K until every SM has a program
+    assert (down.block_k, down.split) == (128, 5) and 32 * down.split >= sms
+    small_k = choose_tiles(1, 1024, 1024, False, cuda)  # splits keep >= 4 loads of 128
+    assert small_k.split == 2
+    glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows: loads of 128
+    assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
+    short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
+    assert short.block_k == 128
+    # four stages of the tiles must fit in shared memory: float32 and many rows take shorter loads
+    assert choose_tiles(1, 4096, 6144, False, cuda, itemsize=4).block_k == 128
+    assert choose_tiles(18, 256, 1024, True, cuda, itemsize=4).block_k == 64
+    assert choose_tiles(64, 4096, 6144, False, cuda).block_k == 128
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -453,18 +449,14 @@ H200_SHARED_BYTES = 232448  # the most shared memory a block may take on an H200
     (18, 1024, 256, False, "fp32", {"UPCAST": True, "HAS_RES": True}),  # and its down
 ], ids=lambda v: str(v) if not isinstance(v, dict) else "+".join(v) or "plain")
 def test_chosen_tiles_fit_the_h200s_shared_memory(rows: int, k: int, n: int, swiglu: bool, dtype: str,
-                                                  epilogue: dict) -> None:
+                                                  epilogue: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """choose_tiles' pick for each shape the engine and the GPU tests launch compiles for sm_90 within a
     block's shared memory (four stages of 64 x 128 float32 SwiGLU tiles at 18 rows once needed 257 KB, and
     the launch failed on the H200 only)."""
     _needs_compiled_kernel()
     itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
-    orig = skinny_gemm._sm_count
-    try:
-        skinny_gemm._sm_count = lambda device: 132  # type: ignore[assignment]
-        tiles = choose_tiles(rows, k, n, swiglu, torch.device("cuda"), itemsize)
-    finally:
-        skinny_gemm._sm_count = orig  # type: ignore[assignment]
+    monkeypatch.setattr(skinny_gemm, "_sm_count", lambda device: 132)  # the H200's
+    tiles = choose_tiles(rows, k, n, swiglu, torch.device("cuda"), itemsize)
     build = _hopper_build(dtype, tiles.stages, tiles.warps, SPLIT=tiles.split, SWIGLU=swiglu,
                           BLOCK_M=max(16, 1 << (rows - 1).bit_length()), BLOCK_N=tiles.block_n,
                           BLOCK_K=tiles.block_k, EVEN=k % tiles.block_k == 0, **epilogue)
