@@ -74,9 +74,12 @@ class Served:
     def finished(self) -> dict[str, str]:
         """rid -> finish reason of every request whose finish (or failure) has left through the relay."""
         self.relay.flush()
-        self.events.seek(0)
+        # pread: the relay's writes (another thread) share the file's offset, which a seek(0) + read would move
+        # back to 0 for a moment, and a write in that moment lands over the first frames
+        fd = self.events.fileno()
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
         out: dict[str, str] = {}
-        for message in ep.FrameReader().feed(self.events.read()):
+        for message in ep.FrameReader().feed(data):
             for item in message[1]:
                 if len(item) == 4:
                     out[item[0]] = "failed"
