@@ -34,6 +34,7 @@ from ddtree.serving import stamps
 from ddtree.serving.api import ServingApp, install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
 from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, freeze_heap
+from ddtree.serving.polling import describe, polling_window
 from ddtree.serving.state import READY_LINE, EngineLike, ServerState, open_scheduler
 from ddtree.text import TextCodec, load_tokenizer
 
@@ -215,7 +216,8 @@ def load_engine(args: ServerArgs) -> tuple[Any, int]:
 
 def start_engine(load: Callable[[], tuple[Any, int]], args: ServerArgs) -> EngineProcess:
     """Fork the engine process (before this one starts a thread or touches CUDA); `load` runs there."""
-    return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), args.log_level)
+    return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), args.log_level,
+                         polling_window(args.sleep_on_idle))
 
 
 def serve(engine: EngineProcess, args: ServerArgs, codec: TextCodec | None) -> int:
@@ -230,6 +232,7 @@ def serve(engine: EngineProcess, args: ServerArgs, codec: TextCodec | None) -> i
         return err.exit_code
     app = create_app(info, args.spec, args, codec, scheduler=engine)
     log.info(init_line(args.spec))
+    log.info("Polling: %s", describe(engine.poll_window_s, args.sleep_on_idle))
     state: ServerState = app.state.ddtree
     config = uvicorn.Config(
         app,

@@ -251,10 +251,18 @@ class EmulatedBackend(LocalBackend):
         return cmd[:3] + ["serve-emulated", *self.emulation] + cmd[3:]
 
 
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The server flags the bench's own options set (beyond what the backend passes for every config)."""
+    flags = ["--dtype", args.dtype] if args.dtype != "auto" else []
+    if args.sleep_on_idle:
+        flags.append("--sleep-on-idle")
+    return flags
+
+
 def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
     common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
-                                  extra_args=["--dtype", args.dtype] if args.dtype != "auto" else [])
+                                  extra_args=server_flags(args))
     if args.engine == "emulated":
         return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, args.prefill_token_us, **common)
     return LocalBackend(**common)
@@ -295,6 +303,7 @@ def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: flo
     """The flags `_backend` starts a server from (this bench's and ddtree.bench.timeline's)."""
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--sleep-on-idle", action="store_true", help="the server's: block instead of polling")
     p.add_argument("--round-ms", type=float, default=round_ms, help="emulated: a round's GIL-free wait")
     p.add_argument("--prefill-ms", type=float, default=prefill_ms, help="emulated: a prefill's GIL-free wait")
     p.add_argument("--prefill-token-us", type=float, default=0.0,

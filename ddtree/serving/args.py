@@ -57,6 +57,7 @@ class ServerArgs:
     speculative_ddtree_cost_profile: str | None = None  # a measured round cost profile (JSON) for auto
     attention_backend: str = "auto"  # verify attention: auto | sdpa | triton (ddtree.engine.resolve_attention)
     disable_cuda_graph: bool = False  # run rounds eagerly on CUDA (graphs are on by default there)
+    sleep_on_idle: bool = False  # block instead of polling between requests (ddtree.serving.polling)
 
     @property
     def spec(self) -> SpecConfig:
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish after SIGTERM",
     )
     p.add_argument("--served-model-name", default=None, help="model name in /v1 responses")
+    p.add_argument("--sleep-on-idle", action="store_true",
+                   help="never poll: both server processes block between events (by default they poll while "
+                        "requests run and briefly after, on machines with 8 or more CPUs)")
     return p
 
 
@@ -236,6 +240,7 @@ def resolve_args(argv: list[str] | None = None) -> ServerArgs:
         speculative_ddtree_cost_profile=ns.speculative_ddtree_cost_profile,
         attention_backend=ns.attention_backend,
         disable_cuda_graph=ns.disable_cuda_graph,
+        sleep_on_idle=ns.sleep_on_idle,
     )
     if args.attention_backend == "triton" and args.device != "cuda":
         raise ConfigError(f"--attention-backend: 'triton' needs --device cuda (got {args.device}); use auto or sdpa")

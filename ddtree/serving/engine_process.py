@@ -45,6 +45,7 @@ from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
 from ddtree.serving import stamps
 from ddtree.serving.metrics import ServerMetrics
+from ddtree.serving.polling import LoopPoller, PollWindow
 from ddtree.serving.scheduler import Event, Failure, Scheduler, Sink
 
 log = logging.getLogger("ddtree.server")
@@ -381,10 +382,12 @@ class RequestPipe:
     the main thread (`run`) while the scheduler is busy (arrivals are read while rounds run, as they come,
     each queued with its arrival time). A wait that begins while the main thread sits in poll wakes it through
     a pipe of its own (one write per busy-to-idle change, none per round). Reads go into one preallocated
-    buffer: os.read(fd, 1 MiB) allocated, and released, a 1 MiB bytes object a read (~20 us).
+    buffer: os.read(fd, 1 MiB) allocated, and released, a 1 MiB bytes object a read (~20 us). With
+    `poll_window_s` the idle scheduler thread polls the pipe for that long after its last work or arrival
+    before it blocks (ddtree.serving.polling).
     """
 
-    def __init__(self, fd: int, scheduler: Scheduler, relay: Relay) -> None:
+    def __init__(self, fd: int, scheduler: Scheduler, relay: Relay, poll_window_s: float = 0.0) -> None:
         self.fd = fd
         self.scheduler = scheduler
         self.relay = relay
@@ -397,6 +400,8 @@ class RequestPipe:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._watched = [fd, self._wake_read]
+        self.window = PollWindow(poll_window_s)
+        self.polled = 0  # request-pipe reads found by polling, not by a blocking wait (what the tests read)
 
     def close(self) -> None:
         os.close(self._wake_read)
@@ -410,9 +415,10 @@ class RequestPipe:
             if not self._idle:
                 self._idle = True
                 self.wake()  # the main thread's select returns and it lets go of the pipe
+                self.window.touch()  # the scheduler's work just ended
         with self._reading:
             if not changed():  # else the main thread queued something after the scheduler last looked
-                self._select_and_read(timeout)
+                self._select_and_read(timeout, poll=True)
 
     def busy(self) -> None:
         with self._turn:
@@ -442,8 +448,31 @@ class RequestPipe:
                 self._select_and_read(None)
 
     # -- either, under _reading ----------------------------------------------------------------------------
-    def _select_and_read(self, timeout: float | None) -> None:
-        ready = select.select(self._watched, [], [], timeout)[0]
+    def _poll(self, timeout: float | None) -> tuple[list[int], float | None]:
+        """Poll the pipes until one is ready or the window (or `timeout`) runs out: (ready, the timeout left)."""
+        left = self.window.left()
+        if timeout is not None:
+            left = min(left, timeout)
+        if left <= 0:
+            return [], timeout
+        watched, clock = self._watched, time.perf_counter
+        start = clock()
+        end = start + left
+        while True:
+            ready = select.select(watched, [], [], 0)[0]  # releases the GIL, as a blocking select would
+            if ready:
+                self.polled += self.fd in ready
+                return ready, timeout
+            now = clock()
+            if now >= end:
+                return [], None if timeout is None else max(timeout - (now - start), 0.0)
+
+    def _select_and_read(self, timeout: float | None, poll: bool = False) -> None:
+        ready: list[int] = []
+        if poll:
+            ready, timeout = self._poll(timeout)
+        if not ready:
+            ready = select.select(self._watched, [], [], timeout)[0]
         if self._wake_read in ready:
             try:
                 os.read(self._wake_read, 4096)
@@ -461,6 +490,7 @@ class RequestPipe:
             log.warning("the HTTP process is gone; stopping the engine")
             self._finish()
             return
+        self.window.touch()
         self._handle(self._frames.feed(memoryview(self._buffer)[:size]))
 
     def _handle(self, messages: list[Any]) -> None:
@@ -492,7 +522,8 @@ class RequestPipe:
 
 
 def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
-                load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str) -> None:
+                load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str,
+                poll_window_s: float = 0.0) -> None:
     """The child: load, report, then run the Scheduler until "stop" or until the HTTP process is gone."""
     for fd in parent_ends:  # forked copies of the HTTP side's ends: kept open, they would hide its death
         os.close(fd)
@@ -526,7 +557,7 @@ def engine_main(requests: int, events: int, parent_ends: tuple[int, int],
         eos_token_id=engine.eos_token_id, max_context=engine.max_context, vocab_size=engine.vocab_size,
         context_length=context_length, device=str(device) if device is not None else "cpu",
         attention=str(getattr(engine, "attention", "")), cuda_graphs=bool(getattr(engine, "cuda_graphs", False)))))
-    pipe = RequestPipe(requests, scheduler, relay)
+    pipe = RequestPipe(requests, scheduler, relay, poll_window_s)
     scheduler.inbox = pipe
     scheduler.start()
     try:
@@ -552,15 +583,18 @@ class EngineProcess:
     runs on that loop, except `stop()`, which may run on any thread.
     """
 
-    def __init__(self, load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str = "info") -> None:
+    def __init__(self, load: Callable[[], tuple[Any, int]], serve: SchedulerFactory, log_level: str = "info",
+                 poll_window_s: float = 0.0) -> None:
         """load() -> (engine, context_length), in the child; serve(engine, context_length, metrics, deliver)
-        -> the Scheduler it runs there."""
+        -> the Scheduler it runs there. poll_window_s: how long both processes poll after activity
+        (ddtree.serving.polling.polling_window; 0: they block)."""
         context = multiprocessing.get_context("fork")
         child_requests, self._requests = _pipe()
         self._events, child_events = _pipe()
         self._process = context.Process(
             target=engine_main, name="ddtree-engine", daemon=True,
-            args=(child_requests, child_events, (self._requests, self._events), load, serve, log_level))
+            args=(child_requests, child_events, (self._requests, self._events), load, serve, log_level,
+                  poll_window_s))
         self._process.start()
         os.close(child_requests)  # only the child's copies stay open: its death is an EOF here
         os.close(child_events)
@@ -577,6 +611,8 @@ class EngineProcess:
         self._stopping = False
         self._closed = False
         self._dead: str | None = None
+        self.poll_window_s = poll_window_s
+        self.poller: LoopPoller | None = None
 
     # -- start and stop --------------------------------------------------------------------------------
     def wait_loaded(self, timeout: float | None = None) -> EngineInfo:
@@ -604,6 +640,8 @@ class EngineProcess:
         self._loop = asyncio.get_running_loop()
         os.set_blocking(self._events, False)  # the loop reads whatever the pipe holds
         self._loop.add_reader(self._events, self._on_readable)
+        if self.poll_window_s:
+            self.poller = LoopPoller(self._loop, self.poll_window_s, lambda: bool(self._sinks))
         self._handle(self._early)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
@@ -653,6 +691,8 @@ class EngineProcess:
         if rid in self._sinks:
             raise RequestError(f"rid: {rid!r} is already in flight", field="rid")
         self._sinks[rid] = sink
+        if self.poller is not None:
+            self.poller.touch()
         if stamps.ON:
             stamps.stamp(rid, "h_submit")
         try:
@@ -721,6 +761,8 @@ class EngineProcess:
 
     def _handle(self, messages: list[Any]) -> None:
         loop = self._loop
+        if self.poller is not None and messages:
+            self.poller.touch()
         for message in messages:
             if message[0] == "events":
                 self._dispatch(message[1])

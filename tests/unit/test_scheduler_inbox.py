@@ -44,14 +44,14 @@ class ThreadPipe(ep.RequestPipe):
 class Served:
     """A scheduler with a RequestPipe inbox on a real pipe; the pipe's main-thread reader runs on `reader`."""
 
-    def __init__(self, batch: GroupBatch) -> None:
+    def __init__(self, batch: GroupBatch, poll_window_s: float = 0.0) -> None:
         self.read, self.write = os.pipe()
         self.events = tempfile.TemporaryFile()
         self.relay = ep.Relay(self.events.fileno())
         self.scheduler = Scheduler(batch, max_running=8, metrics=self.relay.metrics, deliver=self.relay.deliver,
                                    switch_interval_s=None)
         self.relay.scheduler = self.scheduler
-        self.pipe = ThreadPipe(self.read, self.scheduler, self.relay)
+        self.pipe = ThreadPipe(self.read, self.scheduler, self.relay, poll_window_s)
         self.scheduler.inbox = self.pipe
         self.scheduler.start()
         self.reader = threading.Thread(target=self.pipe.run, name="pipe-main")
@@ -183,6 +183,46 @@ def test_a_wait_returns_at_once_when_another_thread_queued_something_meanwhile()
             started = time.perf_counter()
             pipe.wait(0.05, lambda: False)  # nothing changed, nothing arrives: the timeout
             assert 0.04 < time.perf_counter() - started < 2.0
+        finally:
+            pipe.close()
+            os.close(read)
+            os.close(write)
+
+
+def test_an_idle_scheduler_polls_for_a_submit_inside_the_window_and_blocks_after_it() -> None:
+    """With a poll window the idle scheduler thread finds a submit by polling (no blocking wait) while the window
+    since its last work is open; once it has closed, the next submit is found by a blocking wait."""
+    served = Served(ThreadBatch(round_s=0.001), poll_window_s=0.5)
+    try:
+        time.sleep(0.05)  # idle for 50 ms: inside the window that opened when the scheduler first waited
+        served.send(("submit", request("a"), True, True))
+        served.wait_finished({"a"})
+        assert served.pipe.polled == 1
+        time.sleep(0.05)  # the window opened again when "a" was read and when its rounds ended
+        served.send(("submit", request("b"), True, True))
+        served.wait_finished({"a", "b"})
+        assert served.pipe.polled == 2
+        time.sleep(0.8)  # past the window: the thread blocks
+        served.send(("submit", request("c"), True, True))
+        assert served.wait_finished({"a", "b", "c"}) == {"a": "length", "b": "length", "c": "length"}
+        assert served.pipe.polled == 2
+    finally:
+        served.close()
+    assert {thread for thread in served.pipe.read_on.values()} == {"ddtree-scheduler"}
+
+
+def test_a_polling_wait_still_returns_at_its_timeout() -> None:
+    """A burst hold waits with a timeout: polling inside an open window must not outlast it."""
+    read, write = os.pipe()
+    scheduler = Scheduler(ThreadBatch(round_s=0.0), max_running=2, switch_interval_s=None)
+    with tempfile.TemporaryFile() as events:
+        pipe = ep.RequestPipe(read, scheduler, ep.Relay(events.fileno()), 5.0)
+        try:
+            pipe.wait(0.0, lambda: False)  # the first wait opens the window (and takes its own wake-up byte)
+            started = time.perf_counter()
+            pipe.wait(0.05, lambda: False)
+            assert 0.04 < time.perf_counter() - started < 1.0
+            assert pipe.window.left() > 3.0 and pipe.polled == 0
         finally:
             pipe.close()
             os.close(read)
