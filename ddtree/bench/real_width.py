@@ -61,7 +61,9 @@ VARIANTS: dict[str, tuple[bool, int, Tiles | None, str, bool]] = {
     "fused, cublaslt": (True, 0, None, "cublaslt", True),
     "fused, skinny gemm": (True, 16, None, "cublas", False),
     "fused, skinny gemm, norms inside": (True, 16, None, "cublas", True),
+    "fused, skinny gemm, norms folded": (True, 16, None, "cublas", False),
 }
+FOLDED_VARIANTS = {"fused, skinny gemm, norms folded"}  # the target's norms folded into its GEMMs (fold_norms)
 DEFAULT_VARIANT = "fused, skinny gemm"
 # (block_n, block_k, num_warps) tried for the Triton kernel at few rows; None = its own choice
 TILINGS: list[tuple[int, int, int] | None] = [None, (64, 128, 4), (32, 128, 4), (16, 256, 4), (64, 256, 8)]
@@ -182,18 +184,25 @@ def kernel_table(run: Callable[[], None], device: torch.device, steps: int = 5) 
 
 
 @contextlib.contextmanager
-def variant(name: str, device: torch.device) -> Iterator[None]:
-    """The target's kernels as VARIANTS[name] says, restored afterwards."""
+def variant(name: str, device: torch.device, target: Any = None) -> Iterator[None]:
+    """The target's kernels as VARIANTS[name] says, restored afterwards (a folded variant folds `target`'s norms,
+    then puts its weights back bit for bit)."""
     fused, gemv_rows, tiles, blas, into_gemms = VARIANTS[name]
+    folds = name in FOLDED_VARIANTS
+    if folds and target is None:
+        raise ValueError(f"variant: {name!r} folds the target's norms; pass the target")
     saved = (residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES, target_module.NORMS_IN_SKINNY_GEMMS)
     saved_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES = fused, gemv_rows, tiles
     target_module.NORMS_IN_SKINNY_GEMMS = into_gemms
     if device.type == "cuda":
         torch.backends.cuda.preferred_blas_library(blas)
+    kept = target.fold_norms(keep=True) if folds else None
     try:
         yield
     finally:
+        if kept is not None:
+            target.unfold_norms(kept)
         residual_norm.ENABLED, layers.GEMV_MAX_ROWS, layers.GEMV_TILES, target_module.NORMS_IN_SKINNY_GEMMS = saved
         if saved_blas is not None:
             torch.backends.cuda.preferred_blas_library(saved_blas)
@@ -311,7 +320,7 @@ def forward_part(engine: Engine, context: int, batches: list[int], variants: lis
     for bs in batches:
         for q in (1, 9):
             for name in variants:
-                with variant(name, engine.device), torch.inference_mode():
+                with variant(name, engine.device, engine.target), torch.inference_mode():
                     replay = Replay(forward_step(engine, bs, q, context), engine.device)
                     row: dict[str, Any] = {"bs": bs, "q": q, "variant": name, "ms": replay.time()}
                     if name in profile_variants:
@@ -363,7 +372,7 @@ def rounds_part(engine: Engine, context: int, batches: list[int], variants: list
                 tree_configs: list[str], profile_variant: str) -> list[dict[str, Any]]:
     rows = []
     for name in variants:
-        with variant(name, engine.device):
+        with variant(name, engine.device, engine.target):
             for bs in batches:
                 configs = ["ar", "b8-k4-w2048-bs8"] if (name != profile_variant or bs == 1) else ["ar", *tree_configs]
                 for config in configs:

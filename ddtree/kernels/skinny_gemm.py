@@ -123,11 +123,54 @@ WORKSPACE = _Workspace()
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                            residual: torch.Tensor | None = None) -> torch.Tensor:
+                            residual: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
+                            return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The models' ops: RMSNorm (layers.RMSNorm's order) when norm_weight is given, F.linear, silu(gate) * up
-    of its two halves when swiglu, + residual (fused_linear's reference: the same sequence)."""
+    of its two halves when swiglu, + residual (fused_linear's reference: the same sequence); with norm_sums,
+    F.linear scaled by each row's 1 / rms before SwiGLU (folded_linear_reference)."""
     check_inputs(x, weight, norm_weight, residual, swiglu, who="skinny_linear")
-    return fused_linear_reference(x, weight, norm_weight, eps, residual, swiglu)
+    check_sums(x, norm_weight, norm_sums, return_sums, swiglu, who="skinny_linear")
+    if norm_sums is None and not return_sums:
+        return fused_linear_reference(x, weight, norm_weight, eps, residual, swiglu)
+    return folded_linear_reference(x, weight, swiglu, norm_weight, eps, residual, norm_sums, return_sums)
+
+
+def folded_linear_reference(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False,
+                            norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                            residual: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
+                            return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """skinny_linear's folded-norm arguments as torch ops (any row count: what models.layers.linear runs off
+    the kernel's route). The sums come back as one part, [1, rows]."""
+    if norm_sums is None:
+        y = fused_linear_reference(x, weight, norm_weight, eps, None, swiglu)
+    else:
+        rstd = torch.rsqrt(norm_sums.sum(0) / x.shape[-1] + eps).reshape(*x.shape[:-1], 1)
+        y = (torch.nn.functional.linear(x, weight).float() * rstd).to(x.dtype)
+        if swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        y = residual + y
+    if not return_sums:
+        return y
+    return y, y.float().square().sum(-1).reshape(1, -1)
+
+
+def check_sums(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sums: torch.Tensor | None,
+               return_sums: bool, swiglu: bool, who: str) -> None:
+    """norm_sums must be [parts, rows] float32 on x's device, and not beside a norm_weight; return_sums is for
+    a product whose output is the residual stream (no SwiGLU)."""
+    if norm_sums is not None:
+        rows = x[..., 0].numel()
+        if norm_weight is not None:
+            raise ValueError(f"{who}: norm_sums (a folded norm) and norm_weight are two norms; pass one")
+        if norm_sums.dim() != 2 or norm_sums.shape[1] != rows or norm_sums.shape[0] < 1:
+            raise ValueError(f"{who}: norm_sums must be [parts >= 1, rows = {rows}], got {tuple(norm_sums.shape)}")
+        if norm_sums.dtype != torch.float32 or norm_sums.device != x.device:
+            raise ValueError(f"{who}: norm_sums must be float32 on {x.device}, got {norm_sums.dtype} on "
+                             f"{norm_sums.device}")
+    if return_sums and swiglu:
+        raise ValueError(f"{who}: return_sums is for the residual stream's products, not SwiGLU's")
 
 
 if triton is not None:
@@ -140,11 +183,12 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        X, W, NW, R, OUT, PART, COUNT,
-        n_rows, n_out, k_dim, k_split, eps, sx_m, sw_n, sr_m, so_m,
+        X, W, NW, R, OUT, PART, COUNT, SUMS_IN, SUMS_OUT,
+        n_rows, n_out, k_dim, k_split, eps, sx_m, sw_n, sr_m, so_m, n_sum_parts,
         SPLIT: tl.constexpr, SWIGLU: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
         UPCAST: tl.constexpr, EVEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        HAS_SUMS: tl.constexpr = False, RETURN_SUMS: tl.constexpr = False, SUM_PARTS: tl.constexpr = 1,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -214,7 +258,11 @@ if triton is not None:
                                           cache_modifier=".cg")
                 tl.atomic_xchg(COUNT + pid_n, 0)  # ready for the next launch
         if last:
-            if HAS_NORM:  # RMSNorm's scale is a factor of each row's sums: (x * r) W = r (x W)
+            if HAS_SUMS:  # a folded norm: the rows' sums of squares come in parts from the GEMM that wrote x
+                parts = tl.arange(0, SUM_PARTS)
+                ss = tl.sum(tl.load(SUMS_IN + parts[:, None] * n_rows + rows[None, :],
+                                    mask=(parts[:, None] < n_sum_parts) & row_ok[None, :], other=0.0), 0)
+            if HAS_NORM or HAS_SUMS:  # RMSNorm's scale is a factor of each row's sums: (x * r) W = r (x W)
                 rstd = 1.0 / tl.sqrt(ss / k_dim + eps)
                 acc = acc * rstd[None, :]
                 acc_up = acc_up * rstd[None, :]
@@ -224,25 +272,38 @@ if triton is not None:
             if HAS_RES:  # the residual stream's add, in float32 with one rounding
                 acc += tl.load(R + rows[None, :] * sr_m + cols[:, None], mask=out_ok, other=0.0).to(tl.float32)
             o_ptrs = OUT + rows[None, :] * so_m + cols[:, None]
-            tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=out_ok)
+            y = acc.to(OUT.dtype.element_ty)
+            tl.store(o_ptrs, y, mask=out_ok)
+            if RETURN_SUMS:  # this column block's part of each row's sum of squares, of the values stored
+                yf = tl.where(out_ok, y.to(tl.float32), 0.0)
+                tl.store(SUMS_OUT + pid_n * n_rows + rows, tl.sum(yf * yf, 0), mask=row_ok)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, tiles: Tiles | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, norm_sums: torch.Tensor | None = None,
+                  return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x[rows, K] or [bs, rows, K] (at most MAX_ROWS rows) @ weight[N, K].T -> [..., N] (or [..., N/2] with swiglu, weight =
     [gate; up]), in x's dtype, through the Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1).
     norm_weight: RMSNorm each row of x first (a decoder layer's input or post-attention norm); residual:
-    added to the result (the residual stream, [..., N]). `tiles` overrides choose_tiles (tuning runs)."""
+    added to the result (the residual stream, [..., N]). `tiles` overrides choose_tiles (tuning runs).
+    norm_sums[parts, rows] float32: a folded RMSNorm (the norm's weight already multiplied into `weight`'s
+    columns, ddtree.models.target.Target.fold_norms): the sums, added over parts, are each row's sum of
+    squares of x, and only the 1 / rms scale is applied. return_sums: also return the output rows' sums of
+    squares as [column blocks, rows] float32 (the next folded norm's norm_sums)."""
     if triton is None:
         raise RuntimeError("skinny_linear: triton is not installed (pip install 'triton>=3.0')")
     k, n_out = check_inputs(x, weight, norm_weight, residual, swiglu, who="skinny_linear")
+    check_sums(x, norm_weight, norm_sums, return_sums, swiglu, who="skinny_linear")
     n_rows = x[..., 0].numel()
     if n_rows > MAX_ROWS:
         raise ValueError(f"skinny_linear: at most {MAX_ROWS} rows, got {n_rows} (larger products are cuBLAS's)")
     out = x.new_empty(*x.shape[:-1], n_out)
+    tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device, x.element_size())
+    blocks = -(-n_out // tiles.block_n)
+    sums = x.new_zeros(blocks, n_rows, dtype=torch.float32) if return_sums else None
     if n_rows == 0 or n_out == 0:
-        return out
+        return (out, sums) if sums is not None else out
     x2 = x.reshape(n_rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -251,9 +312,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
     r2 = out.view(n_rows, n_out) if residual is None else residual.reshape(n_rows, n_out)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device, x.element_size())
     block_m = max(16, triton.next_power_of_2(n_rows))
-    blocks = triton.cdiv(n_out, tiles.block_n)
+    sums_in = norm_sums.contiguous() if norm_sums is not None else None
     # each split covers a whole number of BLOCK_K loads (the last may cover fewer); none is empty
     k_split = triton.cdiv(triton.cdiv(k, tiles.split), tiles.block_k) * tiles.block_k
     split = triton.cdiv(k, k_split)
@@ -263,12 +323,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
         raise ValueError(f"skinny_linear: {blocks} column blocks exceed the {count.numel()} counters; "
                          f"use a larger Tiles.block_n")
     even = k % tiles.block_k == 0
+    n_parts = 1 if sums_in is None else sums_in.shape[0]
     _skinny_kernel[(blocks, split)](
         x2, weight, norm_weight if norm_weight is not None else weight, r2, out.view(n_rows, n_out), part, count,
-        n_rows, n_out, k, k_split, eps, x2.stride(0), weight.stride(0), r2.stride(0), n_out,
+        sums_in if sums_in is not None else part, sums if sums is not None else part,
+        n_rows, n_out, k, k_split, eps, x2.stride(0), weight.stride(0), r2.stride(0), n_out, n_parts,
         SPLIT=split, SWIGLU=swiglu, HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         UPCAST=x.dtype == torch.float32 or not x.is_cuda, EVEN=even,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        HAS_SUMS=sums_in is not None, RETURN_SUMS=sums is not None, SUM_PARTS=triton.next_power_of_2(n_parts),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
-    return out
+    return (out, sums) if sums is not None else out

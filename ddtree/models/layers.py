@@ -9,6 +9,7 @@ Projections that read the same input can be fused into one GEMM for inference (`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch import nn
 from ddtree.kernels.fused_linear import REAL_WIDTH
 from ddtree.kernels.norm_rope import norm_rope, norm_rope_qkv, norm_rope_write
 from ddtree.kernels.residual_norm import silu_mul
-from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, skinny_linear
+from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, folded_linear_reference, skinny_linear
 
 # Inference linears of at most this many rows (bias-free, 16-bit, CUDA, K >= SKINNY_MIN_K) run
 # ddtree.kernels.skinny_gemm's Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the
@@ -44,15 +45,38 @@ def skinny_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _gemv_rows(x, weight, None)
 
 
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An RMSNorm whose weight has been multiplied into the columns of the GEMM after it (Target.fold_norms):
+    what is left of it is each row's 1 / rms, from `sums` ([parts, rows] float32, the rows' sums of squares
+    in parts, as the GEMM that wrote the rows returned them with return_sums)."""
+
+    sums: torch.Tensor
+    eps: float
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
-           norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+           norm: RMSNorm | FoldedNorm | None = None, residual: torch.Tensor | None = None,
+           return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """residual + F.linear(norm(x), weight, bias), with silu(gate) * up of its two halves when swiglu (weight =
     [gate; up]); norm and residual optional. Through cuBLAS with the norm and the add as torch ops, or for few
-    rows through the skinny Triton kernel, which does all of it in one launch (GEMV_MAX_ROWS)."""
+    rows through the skinny Triton kernel, which does all of it in one launch (GEMV_MAX_ROWS). A FoldedNorm
+    scales the product by each row's 1 / rms; return_sums also returns the result rows' sums of squares
+    ([parts, rows] float32: what the next FoldedNorm takes)."""
+    folded = norm if isinstance(norm, FoldedNorm) else None
     if _gemv_rows(x, weight, bias):
+        plain = None if norm is None or folded is not None else norm
         return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES,
-                             norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
-                             residual=residual)
+                             norm_weight=None if plain is None else plain.weight, eps=norm.eps if norm else 1e-6,
+                             residual=residual, norm_sums=None if folded is None else folded.sums,
+                             return_sums=return_sums)
+    if folded is not None or return_sums:
+        if bias is not None:
+            raise ValueError("linear: a folded norm or return_sums needs a bias-free weight")
+        plain = None if norm is None or folded is not None else norm
+        return folded_linear_reference(x, weight, swiglu, None if plain is None else plain.weight,
+                                       norm.eps if norm else 1e-6, residual,
+                                       None if folded is None else folded.sums, return_sums)
     if norm is not None:
         x = norm(x)
     y = F.linear(x, weight, bias)
@@ -163,7 +187,7 @@ class FusedLinear:
             return False  # the fused tensor is outside autograd: training runs the separate Linears
         return self.intact
 
-    def __call__(self, x: torch.Tensor, skip: int = 0, norm: RMSNorm | None = None) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, skip: int = 0, norm: RMSNorm | FoldedNorm | None = None) -> list[torch.Tensor]:
         """x[..., in] (RMSNorm'd first when `norm` is given) -> one output per Linear from the `skip`-th on
         (their rows are contiguous, so the tail is one GEMM too), as column slices of one [..., sum(out)] result."""
         start = sum(self.sizes[:skip])
@@ -184,12 +208,18 @@ class SwiGLU(nn.Module):
         if self.gate_up is None or not self.gate_up.intact:
             self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | FoldedNorm | None = None, residual: torch.Tensor | None = None,
+                return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """residual + the MLP of norm(x) (norm and residual optional: the skinny kernel folds them into its
-        GEMMs, elsewhere they are torch ops)."""
+        GEMMs, elsewhere they are torch ops); a FoldedNorm or return_sums (see `linear`) need the fused,
+        bias-free gate/up."""
         gate_up = self.gate_up if self.gate_up is not None and self.gate_up.live else None
         if gate_up is not None and gate_up.bias is None:  # GEMM and product: one launch where `linear` fuses them
             act = linear(x, gate_up.weight, swiglu=True, norm=norm)
+            if return_sums:
+                return linear(act, self.down_proj.weight, self.down_proj.bias, residual=residual, return_sums=True)
+        elif isinstance(norm, FoldedNorm) or return_sums:
+            raise ValueError("SwiGLU: a folded norm or return_sums needs the fused, bias-free gate/up (fuse_projections)")
         else:
             h = x if norm is None else norm(x)
             act = silu_mul(*gate_up(h)) if gate_up is not None else silu_mul(self.gate_proj(h), self.up_proj(h))
@@ -263,12 +293,14 @@ class GQAProjections(nn.Module):
         return self.rope_kv(k, v, cos, sin)
 
     def qkv_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
-                 v_out: torch.Tensor, slots: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+                 v_out: torch.Tensor, slots: torch.Tensor, norm: RMSNorm | FoldedNorm | None = None) -> torch.Tensor:
         """`qkv` of norm(x) (x itself without `norm`), with k and v written straight into a cache layer
         k_out/v_out[bs, KV, S, d] at slots[bs, q]; returns q[bs, H, q, d]."""
         fused = self._fused()
         if fused is not None:
             q, k, v = fused(x, norm=norm)
+        elif isinstance(norm, FoldedNorm):
+            raise ValueError("qkv_into: a folded norm needs the fused q/k/v projection (fuse_projections)")
         else:
             h = x if norm is None else norm(x)
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
@@ -308,11 +340,13 @@ class GQAProjections(nn.Module):
         bs, _, n, _ = o.shape
         return o.transpose(1, 2).reshape(bs, n, self.n_heads * self.head_dim)
 
-    def out(self, o: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # o[bs, H, q, d] -> [bs, q, D] (+ residual)
+    def out(self, o: torch.Tensor, residual: torch.Tensor | None = None,
+            return_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # o[bs, H, q, d] -> [bs, q, D] (+ residual); return_sums: and its rows' sums of squares (see `linear`)
         fused = self._fused()  # inference (see FusedLinear.live): `linear` may pick the few-row kernel
-        if fused is not None:
-            return linear(self.merge_heads(o), self.o_proj.weight, self.o_proj.bias, residual=residual)
+        if fused is not None or return_sums:
+            return linear(self.merge_heads(o), self.o_proj.weight, self.o_proj.bias, residual=residual,
+                          return_sums=return_sums)
         y = self.o_proj(self.merge_heads(o))
         return y if residual is None else residual + y
 

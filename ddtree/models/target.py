@@ -22,7 +22,7 @@ from ddtree.kernels.residual_norm import add_rms_norm
 from ddtree.kernels.tree_attention import MAX_TREE_NODES, tree_attention
 from ddtree.models.configs import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear, skinny_route
+from ddtree.models.layers import FoldedNorm, GQAProjections, RMSNorm, Rotary, SwiGLU, attend, linear, skinny_route
 
 # On the skinny route, whether each layer's norms and residual adds run inside its GEMMs (four launches a
 # layer). Off by default: on the H200 the in-GEMM norm cost more than the two add + norm launches it saves
@@ -108,6 +108,7 @@ class Target(nn.Module):
         self.model = Decoder(config)
         self.head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta, rotary_positions(config.max_position_embeddings))
+        self.norms_folded = False  # see fold_norms
 
     # -- shared with the drafter -------------------------------------------------------------
     @property
@@ -126,6 +127,43 @@ class Target(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def fold_norms(self, keep: bool = False) -> list[torch.Tensor]:
+        """Inference: multiply each layer's input and post-attention norm weights into the columns of the fused
+        q/k/v and gate/up weights they feed. A layer is then four GEMMs with no norm or add kernel between
+        them: o_proj and down add the residual and return the new rows' sums of squares (their column blocks'
+        parts), and q/k/v and gate/up scale their sums by each row's 1 / rms (layers.FoldedNorm). In 16 bits
+        W * g is rounded once, so outputs can differ from the unfolded model's by that rounding.
+
+        keep: return copies of the weights as they were, for unfold_norms (a bench switching variants).
+        """
+        if self.norms_folded:
+            raise RuntimeError("fold_norms: the norms are folded already")
+        self.fuse_projections()
+        pairs = []
+        for i, layer in enumerate(self.model.layers):
+            qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up
+            if qkv is None or gate_up is None or qkv.bias is not None or gate_up.bias is not None:
+                raise ValueError(f"fold_norms: layer {i} needs fused, bias-free q/k/v and gate/up projections")
+            pairs += [(qkv.weight, layer.input_layernorm.weight), (gate_up.weight, layer.post_attention_layernorm.weight)]
+        kept = [w.detach().clone() for w, _ in pairs] if keep else []
+        with torch.no_grad():
+            for weight, norm in pairs:
+                weight.mul_(norm.to(weight.dtype))  # [N, K] * [K]: column k scaled by the norm's weight k
+        self.norms_folded = True
+        return kept
+
+    def unfold_norms(self, kept: list[torch.Tensor]) -> None:
+        """The weights fold_norms(keep=True) returned, put back bit for bit."""
+        if not self.norms_folded:
+            raise RuntimeError("unfold_norms: the norms are not folded")
+        weights = [w for layer in self.model.layers for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up.weight)]
+        if len(kept) != len(weights):
+            raise ValueError(f"unfold_norms: {len(kept)} weights for {len(weights)} (pass what fold_norms(keep=True) returned)")
+        with torch.no_grad():
+            for weight, original in zip(weights, kept, strict=True):
+                weight.copy_(original)
+        self.norms_folded = False
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -198,6 +236,22 @@ class Target(nn.Module):
         wanted = set(tap_layers or [])
         slots = cache.write_slots(n_q)
         layers = self.model.layers
+        if self.norms_folded:
+            # each norm's weight is in the GEMM after it (fold_norms): each residual add returns the new rows' sums
+            # of squares, and the next GEMM scales by their 1 / rms
+            sums = x.float().square().sum(-1).reshape(1, -1)
+            for i, layer in enumerate(layers):
+                attn = layer.self_attn
+                folded = FoldedNorm(sums, layer.input_layernorm.eps)
+                q = attn.qkv_into(x, cos, sin, cache.k[i], cache.v[i], slots, norm=folded)
+                o = self._attend(i, attn, q, cache, kv_len, mask, bitmask, backend)
+                x, sums = attn.out(o, residual=x, return_sums=True)
+                folded = FoldedNorm(sums, layer.post_attention_layernorm.eps)
+                x, sums = layer.mlp(x, norm=folded, residual=x, return_sums=True)
+                if i in wanted:
+                    taps[i] = x
+            x, h = add_rms_norm(x, None, self.model.norm.weight, self.model.norm.eps)
+            return self._finish(x, taps, tap_layers, logit_positions, normed=h)
         if self._skinny_layers(x):
             # few rows at real width: each norm is its GEMM's prologue and each residual add its GEMM's
             # epilogue (ddtree.kernels.skinny_gemm), four GEMM launches a layer and no separate add + norm
@@ -277,6 +331,8 @@ class Target(nn.Module):
         self, input_ids: torch.Tensor, tap_layers: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids[bs, T] -> (logits[bs, T, V] f32, taps[bs, T, len(tap_layers)*D]); causal, no cache."""
+        if self.norms_folded:
+            raise RuntimeError("forward_train: the norms are folded into the projections (an inference state)")
         bs, n = input_ids.shape
         self._check_taps(tap_layers)
         positions = torch.arange(n, device=input_ids.device)[None, :].expand(bs, n)

@@ -414,13 +414,14 @@ def _hopper_build(dtype: str = "bf16", stages: int = 4, warps: int = 4, **conste
 
     kernel = skinny_gemm._skinny_kernel
     pointers = {"X": f"*{dtype}", "W": f"*{dtype}", "NW": f"*{dtype}", "R": f"*{dtype}", "OUT": f"*{dtype}",
-                "PART": "*fp32", "COUNT": "*i32"}
-    ints = ("n_rows", "n_out", "k_dim", "k_split", "sx_m", "sw_n", "sr_m", "so_m")
+                "PART": "*fp32", "COUNT": "*i32", "SUMS_IN": "*fp32", "SUMS_OUT": "*fp32"}
+    ints = ("n_rows", "n_out", "k_dim", "k_split", "sx_m", "sw_n", "sr_m", "so_m", "n_sum_parts")
     values = {"SPLIT": 4, "SWIGLU": False, "HAS_NORM": False, "HAS_RES": False, "UPCAST": False, "EVEN": True,
-              "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128} | constexprs
+              "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_SUMS": False, "RETURN_SUMS": False,
+              "SUM_PARTS": 1} | constexprs
     signature = pointers | dict.fromkeys(ints, "i32") | {"eps": "fp32"} | dict.fromkeys(values, "constexpr")
     index = kernel.arg_names.index
-    aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n != "n_rows"}
+    aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n not in ("n_rows", "n_sum_parts")}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(index(n),): v for n, v in values.items()},
                        attrs=aligned)
     # fp fusion as the JIT's default has it (Triton 3.9 warns when it is left to the default)
@@ -465,7 +466,9 @@ def test_chosen_tiles_fit_the_h200s_shared_memory(rows: int, k: int, n: int, swi
 
 
 @pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is not installed")
-@pytest.mark.parametrize("epilogue", [{}, {"HAS_NORM": True, "HAS_RES": True}, {"SWIGLU": True, "SPLIT": 1}])
+@pytest.mark.parametrize("epilogue", [{}, {"HAS_NORM": True, "HAS_RES": True}, {"SWIGLU": True, "SPLIT": 1},
+                                      {"HAS_SUMS": True, "SUM_PARTS": 64, "SWIGLU": True, "SPLIT": 1},
+                                      {"HAS_RES": True, "RETURN_SUMS": True, "SPLIT": 1}])
 def test_hopper_build_pipelines_the_weight_loads_into_wgmma(epilogue: dict) -> None:
     """What the kernel is for, checked in its sm_90 build: the weight and x tiles are copied asynchronously
     (cp.async) into `stages` shared-memory buffers, and the product is Hopper's wgmma. A change that loses

@@ -116,3 +116,25 @@ def test_engine_bench_builds_in_memory_and_prints_floors(tmp_path: Path) -> None
     ar, tree = report["rows"]
     assert 0 < ar["floor_ms"] < tree["floor_ms"]  # a round also reads the drafter and the head again
     assert ar["step_ms"] > 0 and tree["step_ms"] > 0
+
+
+def test_the_folded_variant_folds_the_targets_norms_and_restores_them(tmp_path: Path) -> None:
+    from ddtree.bench.engine_bench import FIXTURE_TARGET
+    from ddtree.models import load_target
+
+    name = "fused, skinny gemm, norms folded"
+    target = load_target(FIXTURE_TARGET, dtype=torch.float32)
+    target.fuse_projections()
+    before = {n: p.detach().clone() for n, p in target.named_parameters()}
+    with pytest.raises(ValueError, match="pass the target"), real_width.variant(name, torch.device("cpu")):
+        pass
+    with real_width.variant(name, torch.device("cpu"), target):
+        assert target.norms_folded
+    assert not target.norms_folded
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
+    rc = real_width.main(["--shapes", "tiny", "--device", "cpu", "--context", "24", "--batches", "1",
+                          "--variants", "fused", name, "--default-variant", "fused", "--parts", "forward",
+                          "--out-dir", str(tmp_path)])
+    assert rc == 0
+    part = json.loads((tmp_path / "real_width.json").read_text())["shapes"]["tiny"]
+    assert "errors" not in part and {r["variant"] for r in part["forward"]} == {"fused", name}
