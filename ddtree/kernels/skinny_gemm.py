@@ -18,6 +18,10 @@ At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kerne
   the GEMM saves), SwiGLU's product (W = [gate; up]) and the residual add as the epilogue. With all of
   them a layer at batch 1 is four GEMM launches, the q/k rotation and the attention; the engine uses the
   SwiGLU epilogue only (target.NORMS_IN_SKINNY_GEMMS: the in-GEMM norm was slower on the H200).
+- Folded norms (Target.fold_norms: the norm's weight already in W's columns) leave x untouched on its way to
+  the tensor cores: the product that wrote x returns its rows' sums of squares by column block
+  (`return_sums`, from the values it stored), and the next product adds them up and scales its sums by
+  1 / rms at the end (`norm_sums`). Nothing is added to the K loop.
 
 Numerics: the product, the norm's scale, SwiGLU and the residual add stay in float32 to one rounding at the
 store, where the reference rounds after each op (RMSNorm rounds the normalised row before it is scaled; here
