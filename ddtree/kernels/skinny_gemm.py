@@ -207,6 +207,10 @@ if triton is not None:
         w_ptrs = W + w_rows[:, None] + ks[None, :]
         x_ptrs = X + rows[None, :] * sx_m + ks[:, None]
         ss = tl.zeros([BLOCK_M], tl.float32)  # the norm's sum of squares, over this program's part of K
+        if HAS_SUMS:  # a folded norm's sums, loaded before the K loop so that their latency hides behind it
+            parts = tl.arange(0, SUM_PARTS)
+            ss_in = tl.sum(tl.load(SUMS_IN + parts[:, None] * n_rows + rows[None, :],
+                                   mask=(parts[:, None] < n_sum_parts) & row_ok[None, :], other=0.0), 0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + k_split, k_dim), BLOCK_K):
@@ -262,10 +266,8 @@ if triton is not None:
                                           cache_modifier=".cg")
                 tl.atomic_xchg(COUNT + pid_n, 0)  # ready for the next launch
         if last:
-            if HAS_SUMS:  # a folded norm: the rows' sums of squares come in parts from the GEMM that wrote x
-                parts = tl.arange(0, SUM_PARTS)
-                ss = tl.sum(tl.load(SUMS_IN + parts[:, None] * n_rows + rows[None, :],
-                                    mask=(parts[:, None] < n_sum_parts) & row_ok[None, :], other=0.0), 0)
+            if HAS_SUMS:  # a folded norm: the rows' sums of squares came in parts from the GEMM that wrote x
+                ss = ss_in
             if HAS_NORM or HAS_SUMS:  # RMSNorm's scale is a factor of each row's sums: (x * r) W = r (x W)
                 rstd = 1.0 / tl.sqrt(ss / k_dim + eps)
                 acc = acc * rstd[None, :]
