@@ -12,9 +12,10 @@ processes); two pipes of pickled tuples are all this one needs:
                      | ("events", [event tuple], metrics delta, status)
 
 The engine side holds a round's outputs until a request finishes or gets its first token (TTFT and E2E are
-never held back), or EAGER_FLUSH_S has passed while a streamed request runs (LAZY_FLUSH_S while only plain
-ones do): each send pickles and writes from the round's own thread, ~10-30 us, which at one row per
-0.26 ms round would cost more than a tenth of the round if paid every round.
+never held back), or EAGER_FLUSH_S has passed while a streamed request runs or a lone request does
+(LAZY_FLUSH_S while only plain ones do, more than LAZY_MIN_RUNNING of them): each send pickles and writes
+from the round's own thread, ~10-30 us, which at one row per 0.26 ms round would cost more than a tenth of the
+round if paid every round.
 
 EngineProcess is the HTTP side: the Scheduler's interface (submit, cancel, in_flight, ...), sinks called on
 the event loop as the events arrive. A child that dies fails every request in flight with a 500, and the
@@ -55,6 +56,11 @@ log = logging.getLogger("ddtree.server")
 # wake-up ~50-100 us of uvloop and unpickling on 2 cores)
 EAGER_FLUSH_S = 0.002
 LAZY_FLUSH_S = 0.02  # likewise when every running request is plain: only /metrics and /server_info read them
+# ... and more than this many run. A plain answer decodes its text as its events arrive, so a frame that held
+# 20 ms of rounds left that decoding and unpickling for after the last token (~0.25 ms on 2 cores, at
+# concurrency 1); a lone request's frames every 2 ms cost it nothing, while at 4 plain requests on 2 cores
+# they slowed the rounds by ~7% (docs/perf.md, "The HTTP server")
+LAZY_MIN_RUNNING = 1
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_TIMEOUT_S = 15.0  # for the child to abort what runs and exit, before it is terminated
 ENGINE_CPUS_ENV = "DDTREE_ENGINE_CPUS"  # CPUs the engine process runs on (taskset's list: "15", "12-15", "1,3")
@@ -260,7 +266,8 @@ class Relay:
                     self._started.add(rid)
                     urgent = True
             now = time.perf_counter()
-            if urgent or now - self._last_send >= (EAGER_FLUSH_S if self._eager else LAZY_FLUSH_S):
+            lazy = not self._eager and len(self._started) > LAZY_MIN_RUNNING
+            if urgent or now - self._last_send >= (LAZY_FLUSH_S if lazy else EAGER_FLUSH_S):
                 self._send(now)
 
     def flush(self) -> None:

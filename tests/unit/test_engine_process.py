@@ -165,6 +165,7 @@ def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.Monke
     """Rounds are held until the request ends unless it is streamed (its first token is never held)."""
     monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)  # inherited by the forked child
     monkeypatch.setattr(ep, "EAGER_FLUSH_S", 0.0)
+    monkeypatch.setattr(ep, "LAZY_MIN_RUNNING", 0)  # held however few run
     proc = _start()
     try:
         proc.wait_loaded(60)
@@ -188,9 +189,41 @@ def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.Monke
     assert lazy < 0.002  # one send at the end
 
 
+def test_a_lone_plain_requests_rounds_go_as_they_come_and_several_are_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With LAZY_MIN_RUNNING plain requests or fewer running, their rounds are not held (a plain answer decodes
+    its text as events arrive: a last frame of 20 ms of rounds left that work for after the last token)."""
+    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)
+    monkeypatch.setattr(ep, "EAGER_FLUSH_S", 0.0)
+    assert ep.LAZY_MIN_RUNNING == 1
+    proc = _start()
+    try:
+        proc.wait_loaded(60)
+
+        async def frames(rids: list[str]) -> list[int]:
+            """How many events each request's 10 tokens came in (all submitted together, plain)."""
+            got = Collector(len(rids))
+            for rid in rids:
+                proc.submit(_request(rid, [3, 4], 10), got.sink(rid), eager=False)
+            await asyncio.wait_for(got.done.wait(), 20)
+            assert all(len(got.tokens(rid)) == 10 for rid in rids)
+            return [len(got.arrived[rid]) for rid in rids]
+
+        async def both() -> tuple[list[int], list[int]]:
+            proc.start()
+            return await frames(["lone"]), await frames(["a", "b"])
+
+        lone, pair = asyncio.run(both())
+    finally:
+        proc.stop()
+    assert lone == [10]  # the first token, then each of the 9 rounds as it came
+    # two running: the first token, the rest held to the end (a round of "a" may leave before "b" has started)
+    assert max(pair) <= 3
+
+
 def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Held rounds of one request go out merged (what applying them in turn gives); a failure stays after them."""
     monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)
+    monkeypatch.setattr(ep, "LAZY_MIN_RUNNING", 0)
     read, write = os.pipe()
     relay = ep.Relay(write)
     a = [StepOutput("a", [1], False, None, 1, [1], [4], []),  # a first token: sent at once
