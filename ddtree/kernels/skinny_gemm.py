@@ -307,7 +307,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
     out = x.new_empty(*x.shape[:-1], n_out)
     tiles = tiles or choose_tiles(n_rows, k, n_out, swiglu, x.device, x.element_size())
     blocks = -(-n_out // tiles.block_n)
-    sums = x.new_zeros(blocks, n_rows, dtype=torch.float32) if return_sums else None
+    sums = x.new_empty(blocks, n_rows, dtype=torch.float32) if return_sums else None  # every entry is stored
     if n_rows == 0 or n_out == 0:
         return (out, sums) if sums is not None else out
     x2 = x.reshape(n_rows, k)

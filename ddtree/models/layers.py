@@ -64,19 +64,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     scales the product by each row's 1 / rms; return_sums also returns the result rows' sums of squares
     ([parts, rows] float32: what the next FoldedNorm takes)."""
     folded = norm if isinstance(norm, FoldedNorm) else None
+    norm_weight = None if norm is None or folded is not None else norm.weight
+    norm_sums = None if folded is None else folded.sums
+    eps = 1e-6 if norm is None else norm.eps
     if _gemv_rows(x, weight, bias):
-        plain = None if norm is None or folded is not None else norm
-        return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES,
-                             norm_weight=None if plain is None else plain.weight, eps=norm.eps if norm else 1e-6,
-                             residual=residual, norm_sums=None if folded is None else folded.sums,
-                             return_sums=return_sums)
+        return skinny_linear(x, weight, swiglu=swiglu, tiles=GEMV_TILES, norm_weight=norm_weight, eps=eps,
+                             residual=residual, norm_sums=norm_sums, return_sums=return_sums)
     if folded is not None or return_sums:
         if bias is not None:
             raise ValueError("linear: a folded norm or return_sums needs a bias-free weight")
-        plain = None if norm is None or folded is not None else norm
-        return folded_linear_reference(x, weight, swiglu, None if plain is None else plain.weight,
-                                       norm.eps if norm else 1e-6, residual,
-                                       None if folded is None else folded.sums, return_sums)
+        return folded_linear_reference(x, weight, swiglu, norm_weight, eps, residual, norm_sums, return_sums)
     if norm is not None:
         x = norm(x)
     y = F.linear(x, weight, bias)

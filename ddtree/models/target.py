@@ -140,12 +140,7 @@ class Target(nn.Module):
         if self.norms_folded:
             raise RuntimeError("fold_norms: the norms are folded already")
         self.fuse_projections()
-        pairs = []
-        for i, layer in enumerate(self.model.layers):
-            qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up
-            if qkv is None or gate_up is None or qkv.bias is not None or gate_up.bias is not None:
-                raise ValueError(f"fold_norms: layer {i} needs fused, bias-free q/k/v and gate/up projections")
-            pairs += [(qkv.weight, layer.input_layernorm.weight), (gate_up.weight, layer.post_attention_layernorm.weight)]
+        pairs = self._folded_pairs()
         kept = [w.detach().clone() for w, _ in pairs] if keep else []
         with torch.no_grad():
             for weight, norm in pairs:
@@ -157,13 +152,23 @@ class Target(nn.Module):
         """The weights fold_norms(keep=True) returned, put back bit for bit."""
         if not self.norms_folded:
             raise RuntimeError("unfold_norms: the norms are not folded")
-        weights = [w for layer in self.model.layers for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up.weight)]
+        weights = [w for w, _ in self._folded_pairs()]
         if len(kept) != len(weights):
             raise ValueError(f"unfold_norms: {len(kept)} weights for {len(weights)} (pass what fold_norms(keep=True) returned)")
         with torch.no_grad():
             for weight, original in zip(weights, kept, strict=True):
                 weight.copy_(original)
         self.norms_folded = False
+
+    def _folded_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fused weight, the norm weight folded into its columns) for each layer's q/k/v and gate/up."""
+        pairs = []
+        for i, layer in enumerate(self.model.layers):
+            qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up
+            if qkv is None or gate_up is None or qkv.bias is not None or gate_up.bias is not None:
+                raise ValueError(f"fold_norms: layer {i} needs fused, bias-free q/k/v and gate/up projections")
+            pairs += [(qkv.weight, layer.input_layernorm.weight), (gate_up.weight, layer.post_attention_layernorm.weight)]
+        return pairs
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
