@@ -109,6 +109,7 @@ class Target(nn.Module):
         self.head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta, rotary_positions(config.max_position_embeddings))
         self.norms_folded = False  # see fold_norms
+        self._unit_norm: torch.Tensor | None = None  # folded: the layers' norm weight off the skinny route (ones)
 
     # -- shared with the drafter -------------------------------------------------------------
     @property
@@ -130,10 +131,12 @@ class Target(nn.Module):
 
     def fold_norms(self, keep: bool = False) -> list[torch.Tensor]:
         """Inference: multiply each layer's input and post-attention norm weights into the columns of the fused
-        q/k/v and gate/up weights they feed. A layer is then four GEMMs with no norm or add kernel between
-        them: o_proj and down add the residual and return the new rows' sums of squares (their column blocks'
-        parts), and q/k/v and gate/up scale their sums by each row's 1 / rms (layers.FoldedNorm). In 16 bits
-        W * g is rounded once, so outputs can differ from the unfolded model's by that rounding.
+        q/k/v and gate/up weights they feed. For rows on the skinny kernel's route (layers.skinny_route) a layer
+        is then four GEMMs with no norm or add kernel between them: o_proj and down add the residual and return
+        the new rows' sums of squares (their column blocks' parts), and q/k/v and gate/up scale their sums by
+        each row's 1 / rms (layers.FoldedNorm). More rows run the unfolded model's add + norm kernels with a
+        weight of ones (the weight is in the GEMM after them): the same launches as unfolded. In 16 bits W * g
+        is rounded once, so outputs can differ from the unfolded model's by that rounding.
 
         keep: return copies of the weights as they were, for unfold_norms (a bench switching variants).
         """
@@ -145,6 +148,7 @@ class Target(nn.Module):
         with torch.no_grad():
             for weight, norm in pairs:
                 weight.mul_(norm.to(weight.dtype))  # [N, K] * [K]: column k scaled by the norm's weight k
+        self._unit_norm = torch.ones_like(self.model.norm.weight)
         self.norms_folded = True
         return kept
 
@@ -159,6 +163,15 @@ class Target(nn.Module):
             for weight, original in zip(weights, kept, strict=True):
                 weight.copy_(original)
         self.norms_folded = False
+        self._unit_norm = None
+
+    def fold_refusal(self) -> str | None:
+        """Why fold_norms would refuse this target (None: it would not)."""
+        try:
+            self._folded_pairs()
+        except ValueError as err:
+            return str(err)
+        return None
 
     def _folded_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(fused weight, the norm weight folded into its columns) for each layer's q/k/v and gate/up."""
@@ -241,7 +254,7 @@ class Target(nn.Module):
         wanted = set(tap_layers or [])
         slots = cache.write_slots(n_q)
         layers = self.model.layers
-        if self.norms_folded:
+        if self.norms_folded and skinny_route(x, layers[0].self_attn.qkv_proj.weight):
             # each norm's weight is in the GEMM after it (fold_norms): each residual add returns the new rows' sums
             # of squares, and the next GEMM scales by their 1 / rms
             sums = x.float().square().sum(-1).reshape(1, -1)
@@ -276,15 +289,18 @@ class Target(nn.Module):
             x, h = add_rms_norm(x, None, self.model.norm.weight, self.model.norm.eps)
             return self._finish(x, taps, tap_layers, logit_positions, normed=h)
         # each residual add runs with the norm after it (one launch on CUDA: ddtree.kernels.residual_norm);
-        # h is the normed input of what comes next, ending with the final norm
+        # h is the normed input of what comes next, ending with the final norm. Folded, the layers' norms
+        # scale by ones: their weights are in the q/k/v and gate/up GEMMs after them
         norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
-        x, h = add_rms_norm(x, None, norms[0].weight, norms[0].eps)
+        unit = self._unit_norm
+        x, h = add_rms_norm(x, None, norms[0].weight if unit is None else unit, norms[0].eps)
         for i, layer in enumerate(layers):
             q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
             o = self._attend(i, layer.self_attn, q, cache, kv_len, mask, bitmask, backend)
-            post = layer.post_attention_layernorm
-            x, h = add_rms_norm(x, layer.self_attn.out(o), post.weight, post.eps)
-            x, h = add_rms_norm(x, layer.mlp(h), norms[i + 1].weight, norms[i + 1].eps)
+            post, after = layer.post_attention_layernorm, norms[i + 1]
+            x, h = add_rms_norm(x, layer.self_attn.out(o), post.weight if unit is None else unit, post.eps)
+            last = i + 1 == len(layers)  # the final norm is not folded
+            x, h = add_rms_norm(x, layer.mlp(h), after.weight if unit is None or last else unit, after.eps)
             if i in wanted:
                 taps[i] = x
         return self._finish(x, taps, tap_layers, logit_positions, normed=h)

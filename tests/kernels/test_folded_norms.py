@@ -133,21 +133,43 @@ def _fixture():
     return target
 
 
+@pytest.mark.parametrize("route", [True, False])
 @pytest.mark.parametrize("q", [1, 9])
-def test_a_folded_target_forwards_as_the_unfolded_one_and_unfolds_bit_for_bit(q: int) -> None:
-    """On the torch ops (the CPU) and, on a GPU, through the kernel where its route takes the rows."""
+def test_a_folded_target_forwards_as_the_unfolded_one_and_unfolds_bit_for_bit(
+        q: int, route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows on the skinny route (here forced, the torch ops standing in for the kernel on the CPU) take the
+    folded layers (each GEMM scaled by its rows' 1 / rms from the sums); rows off it take the add + norm loop
+    with a weight of ones. Either is the unfolded forward."""
+    from ddtree.models import target as target_module
     from tests.kernels.test_skinny_gemm import _fixture_forwards
 
     target = _fixture()
     before = {name: p.detach().clone() for name, p in target.named_parameters()}
     expected = _fixture_forwards(target, q, "reference")
     kept = target.fold_norms(keep=True)
+    monkeypatch.setattr(target_module, "skinny_route", lambda x, weight: route)
+    norm_weights: list[torch.Tensor] = []
+    real_norm = target_module.add_rms_norm
+    monkeypatch.setattr(target_module, "add_rms_norm",
+                        lambda x, delta, weight, eps: norm_weights.append(weight) or real_norm(x, delta, weight, eps))
+    folded_calls: list[object] = []
+    real_linear = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda *a, **kw: folded_calls.append(kw.get("norm")) or real_linear(*a, **kw))
     assert target.norms_folded
     with pytest.raises(RuntimeError, match="folded already"):
         target.fold_norms()
     with pytest.raises(RuntimeError, match="inference state"):
         target.forward_train(torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
     got = _fixture_forwards(target, q, "reference")
+    n_layers = target.config.num_hidden_layers
+    n_forwards = 2  # the context's prefill and the forward compared
+    ones = [w for w in norm_weights if torch.equal(w, torch.ones_like(w))]
+    if route:  # the sums between the GEMMs, and only the final norm as a kernel
+        assert sum(isinstance(n, layers.FoldedNorm) for n in folded_calls) == 2 * n_layers * n_forwards
+        assert len(norm_weights) == n_forwards and not ones
+    else:  # every layer's two norms scale by ones; the final norm by its weight
+        assert not any(isinstance(n, layers.FoldedNorm) for n in folded_calls)
+        assert len(norm_weights) == (2 * n_layers + 1) * n_forwards and len(ones) == 2 * n_layers * n_forwards
     # the Linears read their rows of the fused weight: folded too
     assert not torch.equal(target.model.layers[0].self_attn.q_proj.weight,
                            before["model.layers.0.self_attn.q_proj.weight"])
