@@ -18,7 +18,9 @@ from ddtree.config import SpecConfig
 from ddtree.cuda_graphs import GraphCache, tree_sizes
 from ddtree.decode import DecodeBatch
 from ddtree.errors import ConfigError
+from ddtree.kernels import skinny_gemm
 from ddtree.kernels.tree_attention import triton_available
+from ddtree.models import layers
 from ddtree.prefill import PREFILL_TOKENS, prefill_chunks
 from ddtree.request import GenerationResult, Request, StepOutput
 from ddtree.round_costs import CALIBRATE_EVERY, CHOOSE_EVERY
@@ -44,14 +46,27 @@ COST_PROFILE_ROWS = 8  # rows measured at least, so batches up to 8 never re-mea
 POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its KV cache and graphs)
 
 
+def folding_pays(target) -> bool:
+    """Whether Engine folds the target's norms by default: a 16-bit target on CUDA whose few-row GEMMs take
+    the skinny kernel (real width), where an AR step or a verify then runs four GEMMs a layer and no add + norm
+    kernel (H200, docs/perf.md: a 1.02B AR step 5-10% faster, 8B 1-2%). Elsewhere it changes nothing but the
+    rounding."""
+    return (target.device.type == "cuda" and target.dtype in (torch.float16, torch.bfloat16)
+            and skinny_gemm.triton is not None and layers.GEMV_MAX_ROWS > 0
+            and target.config.hidden_size >= layers.SKINNY_MIN_K and target.fold_refusal() is None)
+
+
 class Engine:
     """A target (and optionally a DFlash drafter) ready to decode with AR, DFLASH or DDTREE."""
 
-    def __init__(self, target, drafter=None, attention: str = "auto", cuda_graphs: bool | None = None) -> None:
+    def __init__(self, target, drafter=None, attention: str = "auto", cuda_graphs: bool | None = None,
+                 fold_norms: bool | None = None) -> None:
         """attention: "auto" (the Triton tree-attention kernel on CUDA when Triton is installed, else
         "sdpa"), "sdpa", "triton" or "reference" (the kernel's torch reference; tests). cuda_graphs: None
         = on wherever possible (CUDA with a kernel attention); graphs need static shapes, which only the
-        kernel attention gives (it reads each row's prefix length on the device)."""
+        kernel attention gives (it reads each row's prefix length on the device). fold_norms: multiply the
+        target's layer norms into its GEMMs (Target.fold_norms); None = where the few-row GEMMs take the
+        skinny kernel (norms_foldable), the only place it pays."""
         self.target, self.drafter = target, drafter
         # one GEMM for q/k/v and one for gate/up per layer: small forwards are launch-bound on a GPU. On
         # the CPU the fused GEMM gave the same bits as the separate ones (fixture models, f32 and bf16;
@@ -60,6 +75,13 @@ class Engine:
         if drafter is not None:
             drafter.fuse_projections()
         self.device = next(target.parameters()).device
+        if fold_norms is None:
+            fold_norms = folding_pays(target)
+        elif fold_norms and (why := target.fold_refusal()) is not None:
+            raise ConfigError(f"fold_norms: {why}")
+        if fold_norms and not target.norms_folded:
+            target.fold_norms()
+        self.norms_folded: bool = target.norms_folded
         self.attention = resolve_attention(attention, self.device)
         can_graph = self.device.type == "cuda" and self.attention != "sdpa"
         if cuda_graphs and not can_graph:
@@ -92,12 +114,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None, attention: str = "auto",
-                        cuda_graphs: bool | None = None) -> Engine:
+                        cuda_graphs: bool | None = None, fold_norms: bool | None = None) -> Engine:
         from ddtree.models import load_drafter, load_target
 
         target = load_target(target_path, device=device, dtype=dtype)
         drafter = load_drafter(draft_path, target, device=device, dtype=dtype) if draft_path else None
-        return cls(target, drafter, attention=attention, cuda_graphs=cuda_graphs)
+        return cls(target, drafter, attention=attention, cuda_graphs=cuda_graphs, fold_norms=fold_norms)
 
     def check_spec(self, spec: SpecConfig) -> None:
         """Reject a config this engine cannot run, before any forward pass."""

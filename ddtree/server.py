@@ -204,7 +204,8 @@ def load_engine(args: ServerArgs) -> tuple[Any, int]:
         )
     except ConfigError as err:  # e.g. --attention-backend triton without the triton package
         raise ConfigError(f"--attention-backend: {err}") from err
-    log.info("Decode path: attention=%s, cuda_graphs=%s", engine.attention, engine.cuda_graphs)
+    log.info("Decode path: attention=%s, cuda_graphs=%s, norms=%s", engine.attention, engine.cuda_graphs,
+             "folded" if engine.norms_folded else "unfolded")
     if args.context_length is not None and args.context_length > engine.max_context:
         raise ConfigError(f"--context-length: {args.context_length} exceeds the engine's limit {engine.max_context}")
     if args.spec.auto_budget and args.speculative_ddtree_cost_profile:

@@ -264,7 +264,8 @@ def format_markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"Engine benchmark: {meta['shape_label']}; {meta['device_name']}, torch {meta['torch']}, "
              f"{meta['dtype']}, attention {meta.get('attention', 'sdpa')}, CUDA graphs "
-             f"{'on' if meta.get('cuda_graphs') else 'off'}, {meta['max_new_tokens']} new tokens, median of "
+             f"{'on' if meta.get('cuda_graphs') else 'off'}, norms {'folded' if meta.get('norms_folded') else 'unfolded'}, "
+             f"{meta['max_new_tokens']} new tokens, median of "
              f"{meta['repeats']}, {meta['date']}."
              + (f" Floors: the bytes a step reads (weights, KV) over a {meta['copy_gbps']:.0f} GB/s copy bandwidth."
                 if meta.get("copy_gbps") else ""),
@@ -312,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify attention: auto = the Triton tree-attention kernel on CUDA, SDPA on CPU")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture rounds as CUDA graphs (auto: on CUDA with the kernel attention)")
+    p.add_argument("--fold-norms", default="auto", choices=["auto", "on", "off"],
+                   help="the target's layer norms multiplied into its GEMMs (auto: 16-bit CUDA targets at real width)")
     p.add_argument("--out", type=Path, help="JSON file of every row (rewritten after each cell)")
     p.add_argument("--markdown", type=Path, help="write the tables as markdown here")
     return p
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     target_dir, drafter_dir = args.target, args.drafter
     shape_label = f"fixture pair ({target_dir.name})"
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    fold = {"auto": None, "on": True, "off": False}[args.fold_norms]
     in_memory = None
     if args.shape != "fixture" and (args.in_memory or args.draft_layers is not None):
         # the pair's prompts come from the fixture tokenizer it shares
@@ -355,10 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_prompt_source(target_dir)
         if in_memory is not None:
-            engine = Engine(*in_memory, attention=args.attention, cuda_graphs=graphs)
+            engine = Engine(*in_memory, attention=args.attention, cuda_graphs=graphs, fold_norms=fold)
         else:
             engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
-                                            attention=args.attention, cuda_graphs=graphs)
+                                            attention=args.attention, cuda_graphs=graphs, fold_norms=fold)
     except ConfigError as err:
         print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
         return 2
@@ -374,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
             "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "warmup_tokens": args.warmup_tokens, "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
+            "norms_folded": engine.norms_folded,
             "copy_gbps": None if bandwidth is None else bandwidth / 1e9,
         },
         "rows": [], "skipped": [],

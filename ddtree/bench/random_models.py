@@ -61,10 +61,12 @@ class Shape:
 # parameters with a 4096-token vocabulary. "8b": Qwen3-8B's shape (hidden 4096, 36 layers, 32/8 heads of 128,
 # intermediate 12288, vocabulary 151936; the head tied to the embedding, so 7.6B parameters, 15.1 GB in
 # bfloat16, where Qwen3-8B's untied head adds an embedding table no decode step reads). "tiny": unit tests.
+# "narrow": the least real width (hidden = layers.SKINNY_MIN_K) in 4 layers, for GPU tests of the real-width paths.
 SHAPES: dict[str, Shape] = {
     "1b": Shape(hidden=2048, layers=20, heads=16, kv_heads=8, head_dim=128, intermediate=6144),
     "8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936),
     "tiny": Shape(hidden=48, layers=4, heads=4, kv_heads=2, head_dim=12, intermediate=96, max_context=512),
+    "narrow": Shape(hidden=1024, layers=4, heads=8, kv_heads=4, head_dim=128, intermediate=3072, max_context=2048),
 }
 
 

@@ -548,7 +548,7 @@ def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Na
         for layers_ in args.draft_layers[1:]:  # extra drafter depths: AR and b8-k4 at batch 1
             engine.drafter = None
             _free(engine.device)
-            other = Engine(target, random_drafter(target, shape, draft_layers=layers_))
+            other = Engine(target, random_drafter(target, shape, draft_layers=layers_), fold_norms=False)
             with variant(args.default_variant, engine.device):
                 for config in ("ar", "b8-k4-w2048-bs8"):
                     r = engine_rounds(other, config, 1, args.context)
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             write()
             continue
         target, drafter = random_models(shape, device=device, dtype=dtype, draft_layers=args.draft_layers[0])
-        engine = Engine(target, drafter)
+        engine = Engine(target, drafter, fold_norms=False)  # the variants fold it where they say so
         n = sum(p.numel() for p in target.parameters())
         part: dict[str, Any] = {"label": f"RANDOM WEIGHTS, {n / 1e9:.2f}B-parameter target, {args.draft_layers[0]}-layer "
                                 f"drafter", "layers": target.config.num_hidden_layers, "bytes": {}, "floor_ms": {}}

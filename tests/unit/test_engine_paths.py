@@ -119,6 +119,27 @@ GPU_SPECS = PATH_SPECS[:3] + [
 
 @pytest.mark.gpu
 @cuda
+def test_a_real_width_bf16_engine_folds_its_norms_and_commits_the_targets_tokens() -> None:
+    """The narrow random shape (hidden 1024) in bfloat16: the engine folds by default. One prompt's rounds take
+    the folded GEMMs (<= 16 rows), 20 prompts' the add + norm kernels with unit weights; DDTREE commits what AR
+    does on the same folded engine, and the greedy tokens are the unfolded engine's (this shape's embedding
+    scale gives top-1 margins far above bfloat16's rounding of W * g)."""
+    from ddtree.bench.random_models import random_models
+
+    folded = Engine(*random_models("narrow", device="cuda", dtype=torch.bfloat16))
+    assert folded.norms_folded
+    unfolded = Engine(*random_models("narrow", device="cuda", dtype=torch.bfloat16), fold_norms=False)
+    spec = SpecConfig(budget=8, topk=4, block_size=8, draft_window=2048)
+    for count in (1, 20):
+        batch = prompts(count, seed=30 + count)
+        ref = unfolded.generate(batch, 32, spec=AR)
+        for engine, s in ((folded, AR), (folded, spec), (unfolded, spec)):
+            out = engine.generate(batch, 32, spec=s)
+            assert [o.token_ids for o in out] == [r.token_ids for r in ref], (count, engine.norms_folded, s.id)
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
 @pytest.mark.parametrize("spec", GPU_SPECS)
 def test_graphed_rounds_equal_ar(spec: SpecConfig, temperature: float) -> None:
