@@ -21,7 +21,8 @@ At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kerne
 - Folded norms (Target.fold_norms: the norm's weight already in W's columns) leave x untouched on its way to
   the tensor cores: the product that wrote x returns its rows' sums of squares by column block
   (`return_sums`, from the values it stored), and the next product adds them up and scales its sums by
-  1 / rms at the end (`norm_sums`). Nothing is added to the K loop.
+  1 / rms at the end (`norm_sums`). Nothing is added to the K loop. The engine folds a 16-bit target at
+  real width on CUDA by default (engine.folding_pays).
 
 Numerics: the product, the norm's scale, SwiGLU and the residual add stay in float32 to one rounding at the
 store, where the reference rounds after each op (RMSNorm rounds the normalised row before it is scaled; here
