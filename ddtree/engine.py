@@ -66,7 +66,7 @@ class Engine:
         = on wherever possible (CUDA with a kernel attention); graphs need static shapes, which only the
         kernel attention gives (it reads each row's prefix length on the device). fold_norms: multiply the
         target's layer norms into its GEMMs (Target.fold_norms); None = where the few-row GEMMs take the
-        skinny kernel (norms_foldable), the only place it pays."""
+        skinny kernel (folding_pays), the only place it pays."""
         self.target, self.drafter = target, drafter
         # one GEMM for q/k/v and one for gate/up per layer: small forwards are launch-bound on a GPU. On
         # the CPU the fused GEMM gave the same bits as the separate ones (fixture models, f32 and bf16;

@@ -109,7 +109,8 @@ class Target(nn.Module):
         self.head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta, rotary_positions(config.max_position_embeddings))
         self.norms_folded = False  # see fold_norms
-        self._unit_norm: torch.Tensor | None = None  # folded: the layers' norm weight off the skinny route (ones)
+        # folded: the layers' norm weight off the skinny route (ones); a buffer, so .to() moves it; not saved
+        self.register_buffer("_unit_norm", None, persistent=False)
 
     # -- shared with the drafter -------------------------------------------------------------
     @property

@@ -41,6 +41,9 @@ def folded() -> Engine:
 
 def test_the_engine_folds_where_asked_and_by_default_only_where_it_pays(folded: Engine) -> None:
     assert folded.norms_folded and folded.target.norms_folded
+    # the unit norm weight is a buffer that moves with the model and is never saved with it
+    assert not any("_unit_norm" in name for name in folded.target.state_dict())
+    assert dict(folded.target.named_buffers())["_unit_norm"].device == folded.device
     plain = _engine(None)
     assert not folding_pays(plain.target)  # a float32 target on the CPU
     assert not plain.norms_folded and not plain.target.norms_folded
