@@ -18,7 +18,6 @@ from ddtree.config import SpecConfig
 from ddtree.cuda_graphs import GraphCache, tree_sizes
 from ddtree.decode import DecodeBatch
 from ddtree.errors import ConfigError
-from ddtree.kernels import skinny_gemm
 from ddtree.kernels.tree_attention import triton_available
 from ddtree.models import layers
 from ddtree.prefill import PREFILL_TOKENS, prefill_chunks
@@ -52,7 +51,7 @@ def folding_pays(target) -> bool:
     kernel (H200, docs/perf.md: a 1.02B AR step 5-10% faster, 8B 1-2%). Elsewhere it changes nothing but the
     rounding."""
     return (target.device.type == "cuda" and target.dtype in (torch.float16, torch.bfloat16)
-            and skinny_gemm.triton is not None and layers.GEMV_MAX_ROWS > 0
+            and triton_available() and layers.GEMV_MAX_ROWS > 0
             and target.config.hidden_size >= layers.SKINNY_MIN_K and target.fold_refusal() is None)
 
 

@@ -294,14 +294,17 @@ class Target(nn.Module):
         # scale by ones: their weights are in the q/k/v and gate/up GEMMs after them
         norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
         unit = self._unit_norm
-        x, h = add_rms_norm(x, None, norms[0].weight if unit is None else unit, norms[0].eps)
+
+        def weight(norm: RMSNorm) -> torch.Tensor:  # the final norm is not folded
+            return norm.weight if unit is None or norm is self.model.norm else unit
+
+        x, h = add_rms_norm(x, None, weight(norms[0]), norms[0].eps)
         for i, layer in enumerate(layers):
             q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
             o = self._attend(i, layer.self_attn, q, cache, kv_len, mask, bitmask, backend)
-            post, after = layer.post_attention_layernorm, norms[i + 1]
-            x, h = add_rms_norm(x, layer.self_attn.out(o), post.weight if unit is None else unit, post.eps)
-            last = i + 1 == len(layers)  # the final norm is not folded
-            x, h = add_rms_norm(x, layer.mlp(h), after.weight if unit is None or last else unit, after.eps)
+            post = layer.post_attention_layernorm
+            x, h = add_rms_norm(x, layer.self_attn.out(o), weight(post), post.eps)
+            x, h = add_rms_norm(x, layer.mlp(h), weight(norms[i + 1]), norms[i + 1].eps)
             if i in wanted:
                 taps[i] = x
         return self._finish(x, taps, tap_layers, logit_positions, normed=h)
