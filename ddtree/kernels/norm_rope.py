@@ -19,8 +19,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels import pdl
-
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
     import triton
     import triton.language as tl
@@ -72,7 +70,6 @@ def norm_rope_reference(
 
 
 if triton is not None:
-    from ddtree.kernels.pdl import wait_then_release
 
     @triton.jit
     def _norm_rope_qkv_kernel(
@@ -87,11 +84,10 @@ if triton is not None:
         svo_b, svo_h, svo_s, svo_d,
         sl_b, sl_n,
         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, PDL: tl.constexpr = False,
+        HAS_WEIGHT: tl.constexpr,
     ):
         # a layer's q and its k/v in one launch: the first k_blocks programs of a row write keys and values
         # into the cache, the rest rotate the queries; norm_rope and norm_rope_write launch one side alone
-        wait_then_release(PDL)  # kernels.pdl
         row = tl.program_id(0)
         b = (row // n).to(tl.int64)
         i = (row % n).to(tl.int64)
@@ -192,7 +188,6 @@ def _launch_qkv(q: torch.Tensor | None, q_weight: torch.Tensor | None, q_out: to
         *ko.stride(), *kv.stride(), *vo.stride(), *(slots.stride() if slots is not None else (0, 0)),
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HQ=block_hq, BLOCK_D=block_d, HAS_WEIGHT=weight is not None,
         num_warps=4 if max(block_h if k is not None else 1, block_hq if q is not None else 1) * block_d <= 2048 else 8,
-        **pdl.launch_args(any_x.device),
     )
 
 
@@ -351,6 +346,6 @@ def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
         cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
         *k_out.stride(), *v.stride(), *v_out.stride(), *slots.stride(),
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HQ=block_hq, BLOCK_D=block_d, HAS_WEIGHT=q_weight is not None,
-        num_warps=4 if max(block_h, block_hq) * block_d <= 2048 else 8, **pdl.launch_args(q.device),
+        num_warps=4 if max(block_h, block_hq) * block_d <= 2048 else 8,
     )
     return q_out

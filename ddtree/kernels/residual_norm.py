@@ -22,8 +22,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels import pdl
-
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
     import triton
     import triton.language as tl
@@ -76,12 +74,9 @@ def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: 
 
 
 if triton is not None:
-    from ddtree.kernels.pdl import wait_then_release
 
     @triton.jit
-    def _add_rms_norm_kernel(X, DELTA, W, SUM, OUT, d, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr = False):
-        wait_then_release(PDL)  # kernels.pdl
+    def _add_rms_norm_kernel(X, DELTA, W, SUM, OUT, d, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < d
@@ -96,8 +91,7 @@ if triton is not None:
         tl.store(OUT + row * d + cols, (h * w).to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, OUT, n_cols, sg_r, su_r, so_r, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        wait_then_release(PDL)  # kernels.pdl
+    def _silu_mul_kernel(G, U, OUT, n_cols, sg_r, su_r, so_r, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -122,8 +116,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, weight: tor
         block = max(16, triton.next_power_of_2(d))
         _add_rms_norm_kernel[(rows,)](x, x if delta is None else delta.contiguous(), weight, s, out, d, eps,
                                       HAS_DELTA=delta is not None, BLOCK=block,
-                                      num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
-                                      **pdl.launch_args(x.device))
+                                      num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
     return s, out
 
 
@@ -164,8 +157,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel():
         block = min(1024, max(16, triton.next_power_of_2(n)))
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0),
-                                                               out.stride(0), BLOCK=block, num_warps=4,
-                                                               **pdl.launch_args(g2.device))
+                                                               out.stride(0), BLOCK=block, num_warps=4)
     return out.view(gate.shape)
 
 

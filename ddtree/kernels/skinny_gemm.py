@@ -33,12 +33,10 @@ The workspace and counters are shared by every call on a device, so calls on one
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ddtree.kernels import pdl
 from ddtree.kernels.fused_linear import check_inputs, fused_linear_reference
 
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
@@ -50,11 +48,6 @@ except ImportError:  # pragma: no cover - depends on the install
 
 MAX_ROWS = 64  # x.T is one MMA operand of at most this many columns
 STAGED_BYTES = 192 << 10  # the pipelined tiles a program holds (an H200 block has 227 KB of shared memory)
-# Launched dependent (kernels.pdl), a product's programs ask for up to this many bytes of their weight (the
-# first of each row's K range) to be brought into the L2 while the kernel ahead runs; the H200's L2 is 60 MB.
-PREFETCH_BYTES = int(os.environ.get("DDTREE_PREFETCH_MB", "16")) << 20
-LINE_BYTES = 128
-MAX_PREFETCH_LINES = 64  # per weight row and program: 8 KB
 
 
 @dataclass(frozen=True)
@@ -103,16 +96,6 @@ def choose_tiles(rows: int, k: int, n_out: int, swiglu: bool, device: torch.devi
     while block_k > 32 and stages * (block_n * (2 if swiglu else 1) + block_m) * block_k * itemsize > STAGED_BYTES:
         block_k //= 2
     return Tiles(block_n=block_n, block_k=block_k, split=split, stages=stages, warps=4)
-
-
-def prefetch_lines(weight_rows: int, k_split: int, line: int, itemsize: int) -> int:
-    """Cache lines of each weight row a program prefetches before its wait: PREFETCH_BYTES over all the rows the
-    launch reads (`weight_rows`, counting each split's rows apart), at most its K range and MAX_PREFETCH_LINES,
-    a power of two (tl.arange), 0 when not even one line fits."""
-    if PREFETCH_BYTES <= 0 or weight_rows <= 0:
-        return 0
-    lines = min(PREFETCH_BYTES // (weight_rows * line * itemsize), -(-k_split // line), MAX_PREFETCH_LINES)
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 
 
 class _Workspace:
@@ -196,7 +179,6 @@ def check_sums(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sums: tor
 
 
 if triton is not None:
-    from ddtree.kernels.pdl import prefetch_l2, wait_then_release
 
     @triton.jit
     def _product(w, xt, acc, UPCAST: tl.constexpr):
@@ -212,7 +194,6 @@ if triton is not None:
         UPCAST: tl.constexpr, EVEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         HAS_SUMS: tl.constexpr = False, RETURN_SUMS: tl.constexpr = False, SUM_PARTS: tl.constexpr = 1,
-        PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -226,12 +207,6 @@ if triton is not None:
         ks = k_lo + tl.arange(0, BLOCK_K)
         w_ptrs = W + w_rows[:, None] + ks[None, :]
         x_ptrs = X + rows[None, :] * sx_m + ks[:, None]
-        if PF_LINES > 0:  # the weight is no earlier kernel's output: it may stream in before the wait
-            lines = tl.minimum(k_lo + tl.arange(0, PF_LINES) * LINE, k_dim - 1)
-            prefetch_l2(W + w_rows[:, None] + lines[None, :])
-            if SWIGLU:
-                prefetch_l2(W + n_out * sw_n + w_rows[:, None] + lines[None, :])
-        wait_then_release(PDL)  # before x, the sums, the workspace and the output (kernels.pdl)
         ss = tl.zeros([BLOCK_M], tl.float32)  # the norm's sum of squares, over this program's part of K
         if HAS_SUMS:  # a folded norm's sums, loaded before the K loop so that their latency hides behind it
             parts = tl.arange(0, SUM_PARTS)
@@ -356,10 +331,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
                          f"use a larger Tiles.block_n")
     even = k % tiles.block_k == 0
     n_parts = 1 if sums_in is None else sums_in.shape[0]
-    launch = pdl.launch_args(x.device)
-    line = LINE_BYTES // weight.element_size()
-    pf_lines = prefetch_lines(blocks * split * tiles.block_n * (2 if swiglu else 1), k_split, line,
-                              weight.element_size()) if launch["PDL"] else 0
     _skinny_kernel[(blocks, split)](
         x2, weight, norm_weight if norm_weight is not None else weight, r2, out.view(n_rows, n_out), part, count,
         sums_in if sums_in is not None else part, sums if sums is not None else part,
@@ -368,6 +339,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, t
         UPCAST=x.dtype == torch.float32 or not x.is_cuda, EVEN=even,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         HAS_SUMS=sums_in is not None, RETURN_SUMS=sums is not None, SUM_PARTS=triton.next_power_of_2(n_parts),
-        PF_LINES=pf_lines, LINE=line, num_warps=tiles.warps, num_stages=tiles.stages, **launch,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return (out, sums) if sums is not None else out

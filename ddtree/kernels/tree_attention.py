@@ -20,7 +20,6 @@ from typing import Literal
 
 import torch
 
-from ddtree.kernels import pdl
 from ddtree.kernels.bitmask import as_words, unpack_bitmask
 
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
@@ -149,7 +148,6 @@ def _check_inputs(
 # -- Triton kernel -------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ddtree.kernels.pdl import wait_then_release
 
     @triton.jit
     def _f32_dot(a, b, TF32: tl.constexpr):
@@ -172,10 +170,9 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         N_TREE_TILES: tl.constexpr, SPLITS: tl.constexpr, TREE_IN_CACHE: tl.constexpr,
-        FP32_DOT: tl.constexpr, TF32: tl.constexpr, PDL: tl.constexpr = False,
+        FP32_DOT: tl.constexpr, TF32: tl.constexpr,
     ):
         # program = (request b, kv head hk) x block of query rows x prefix split
-        wait_then_release(PDL)  # kernels.pdl
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         split = tl.program_id(2)
@@ -278,9 +275,7 @@ if triton is not None:
         PM, PL, PACC, OUT, n_tree, n_rows, n_kv_heads, splits,
         so_b, so_h, so_n, so_d,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
-        wait_then_release(PDL)  # kernels.pdl
         # program = (request b, kv head hk) x one query row: every split's partial is loaded at once and
         # reduced in registers (a loop over splits would chain SPLITS dependent loads: 5-8 us at 32 splits)
         pid_bh = tl.program_id(0)
@@ -410,13 +405,12 @@ def tree_attention_triton(
         *words.stride(), *out.stride(),
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_T=block_t, BLOCK_D=block_d,
         N_TREE_TILES=triton.cdiv(n, block_t), SPLITS=splits, TREE_IN_CACHE=tree_in_cache, FP32_DOT=fp32_dot,
-        TF32=tf32, num_warps=num_warps, num_stages=2, **pdl.launch_args(q.device),
+        TF32=tf32, num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
         _tree_attn_merge[(bs * hkv, n_rows)](
             pm, pl, pacc, out, n, n_rows, hkv, splits, *out.stride(),
             GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=2,
-            **pdl.launch_args(q.device),
         )
     return out
 

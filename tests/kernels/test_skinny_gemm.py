@@ -418,7 +418,7 @@ def _hopper_build(dtype: str = "bf16", stages: int = 4, warps: int = 4, **conste
     ints = ("n_rows", "n_out", "k_dim", "k_split", "sx_m", "sw_n", "sr_m", "so_m", "n_sum_parts")
     values = {"SPLIT": 4, "SWIGLU": False, "HAS_NORM": False, "HAS_RES": False, "UPCAST": False, "EVEN": True,
               "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "HAS_SUMS": False, "RETURN_SUMS": False,
-              "SUM_PARTS": 1, "PDL": False, "PF_LINES": 0, "LINE": 64} | constexprs
+              "SUM_PARTS": 1} | constexprs
     signature = pointers | dict.fromkeys(ints, "i32") | {"eps": "fp32"} | dict.fromkeys(values, "constexpr")
     index = kernel.arg_names.index
     aligned = {(index(n),): [["tt.divisibility", 16]] for n in [*pointers, *ints] if n not in ("n_rows", "n_sum_parts")}
@@ -481,25 +481,3 @@ def test_hopper_build_pipelines_the_weight_loads_into_wgmma(epilogue: dict) -> N
     stage_bytes = (parts * 64 * 128 + 128 * 16) * 2  # weight tile(s) + x.T tile, bfloat16
     assert build.metadata.shared >= 4 * stage_bytes, f"{build.metadata.shared} B of shared memory: not 4 stages"
     assert "cp.async" in ptx and "wgmma.mma_async" in ptx
-
-
-@pytest.mark.skipif(skinny_gemm.triton is None, reason="triton is not installed")
-@pytest.mark.parametrize("epilogue", [{"HAS_SUMS": True, "SUM_PARTS": 64, "SWIGLU": True, "SPLIT": 1},
-                                      {"HAS_RES": True, "RETURN_SUMS": True, "SPLIT": 1}, {"SPLIT": 4}])
-def test_hopper_build_launched_dependent_touches_only_the_weight_before_its_wait(epilogue: dict) -> None:
-    """Launched dependent (kernels.pdl), a program may run while the kernel ahead of it still writes x, the sums
-    and the workspace: in the sm_90 build, nothing but the weight's L2 prefetches comes before
-    griddepcontrol.wait (no load, no store, no atomic), the pipeline and wgmma are still there, and the
-    successor is released after the wait. A load hoisted above the wait reads a half-written x."""
-    _needs_compiled_kernel()
-    ptx = _hopper_build(**epilogue, PDL=True, PF_LINES=16).asm["ptx"]
-    body = ptx[ptx.index(".entry"):]
-    wait = body.index("griddepcontrol.wait")
-    before = body[:wait]
-    assert "prefetch.global.L2" in before, "the weight is not prefetched before the wait"
-    for op in ("ld.global", "cp.async", "st.global", "atom.", "red."):
-        assert op not in before, f"{op} before griddepcontrol.wait"
-    assert body.index("griddepcontrol.launch_dependents") > wait
-    assert "cp.async" in body and "wgmma.mma_async" in body
-    plain = _hopper_build(**epilogue).asm["ptx"]
-    assert "griddepcontrol" not in plain and "prefetch.global.L2" not in plain
