@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Literal
 
 import torch
@@ -40,9 +39,6 @@ _BLOCK_N = 64  # prefix keys per tile
 # the third H200 pass in `git log -p docs/perf.md`). The merge of more partials is cheap.
 MIN_SPLIT_KEYS = _BLOCK_N
 _TREE_TILE = 64  # tree keys per tile: one bitmask word
-# Split-KV: the last split of a row block to finish merges the partials itself (an arrival counter per row block,
-# set back to 0 by that program), so the attention is one launch; "separate" keeps the merge kernel.
-MERGE_IN_KERNEL = os.environ.get("DDTREE_ATTN_MERGE", "kernel") != "separate"
 
 
 def triton_available() -> bool:
@@ -162,7 +158,7 @@ if triton is not None:
 
     @triton.jit
     def _tree_attn_fwd(
-        Q, K, V, KT, VT, LENS, BITS, OUT, PM, PL, PACC, COUNT,
+        Q, K, V, KT, VT, LENS, BITS, OUT, PM, PL, PACC,
         qk_scale, n_tree, n_rows, n_kv_heads,
         sq_b, sq_h, sq_n, sq_d,
         sk_b, sk_h, sk_s, sk_d,
@@ -174,7 +170,7 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         N_TREE_TILES: tl.constexpr, SPLITS: tl.constexpr, TREE_IN_CACHE: tl.constexpr,
-        FP32_DOT: tl.constexpr, TF32: tl.constexpr, MERGE_HERE: tl.constexpr = False,
+        FP32_DOT: tl.constexpr, TF32: tl.constexpr,
     ):
         # program = (request b, kv head hk) x block of query rows x prefix split
         pid_bh = tl.program_id(0)
@@ -273,29 +269,6 @@ if triton is not None:
             tl.store(PM + part, m_i, mask=row_ok)
             tl.store(PL + part, l_i, mask=row_ok)
             tl.store(PACC + part[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
-            if MERGE_HERE:  # the last split of this row block to finish merges all of them (no merge launch)
-                tl.debug_barrier()  # every thread's partials are written before the program counts itself in
-                slot = pid_bh * tl.num_programs(1) + pid_m
-                arrived = tl.atomic_add(COUNT + slot, 1, sem="acq_rel")
-                if arrived == SPLITS - 1:
-                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    for s in range(SPLITS):  # the running max first, as the merge kernel takes it
-                        other = (pid_bh * SPLITS + s) * n_rows + rows
-                        m_i = tl.maximum(m_i, tl.load(PM + other, mask=row_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-                    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # empty splits (m_s = -inf) weigh 0
-                    l_i = tl.zeros([BLOCK_M], tl.float32)
-                    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                    for s in range(SPLITS):  # read past L1, which is not coherent across SMs
-                        other = (pid_bh * SPLITS + s) * n_rows + rows
-                        w = tl.exp2(tl.load(PM + other, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-                        l_i += w * tl.load(PL + other, mask=row_ok, other=0.0, cache_modifier=".cg")
-                        acc += w[:, None] * tl.load(PACC + other[:, None] * BLOCK_D + dims[None, :],
-                                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                    o_ptrs = OUT + b * so_b + (hk * GROUP + g)[:, None] * so_h + node[:, None] * so_n + dims[None, :] * so_d
-                    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-                    tl.atomic_xchg(COUNT + slot, 0)  # ready for the next launch (or graph replay)
 
     @triton.jit
     def _tree_attn_merge(
@@ -325,23 +298,6 @@ if triton is not None:
         node = row % n_tree
         o_ptrs = OUT + b * so_b + (hk * GROUP + g) * so_h + node * so_n + dims * so_d
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per row block, shared by every launch on the device (launches on one device
-    must not overlap: the engine runs one stream). They only grow, and never while a CUDA graph is captured (a
-    graph keeps the address it captured; counters made inside the capture would be zeroed only at replay)."""
-    held = _COUNTERS.get(device)
-    if held is None or held.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("tree_attention: its arrival counters must grow while a CUDA graph is being "
-                               "captured; run the same shapes once eagerly before capturing (a warm-up step)")
-        held = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-        _COUNTERS[device] = held
-    return held
 
 
 @functools.cache
@@ -442,19 +398,16 @@ def tree_attention_triton(
     else:
         pm = pl = pacc = out  # unused
     num_warps = num_warps or (4 if block_m * block_d <= 64 * 64 else 8)
-    merge_here = splits > 1 and MERGE_IN_KERNEL
-    # made on the first launch whatever its splits (an eager prefill, before any graph is captured)
-    count = _arrival_counters(q.device, bs * hkv * row_blocks) if MERGE_IN_KERNEL else cache_lens
     _tree_attn_fwd[grid](
-        q, k_cache, v_cache, kt, vt, cache_lens, words, out, pm, pl, pacc, count,
+        q, k_cache, v_cache, kt, vt, cache_lens, words, out, pm, pl, pacc,
         scale * 1.4426950408889634, n, n_rows, hkv,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *kt.stride(), *vt.stride(),
         *words.stride(), *out.stride(),
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_T=block_t, BLOCK_D=block_d,
         N_TREE_TILES=triton.cdiv(n, block_t), SPLITS=splits, TREE_IN_CACHE=tree_in_cache, FP32_DOT=fp32_dot,
-        TF32=tf32, MERGE_HERE=merge_here, num_warps=num_warps, num_stages=2,
+        TF32=tf32, num_warps=num_warps, num_stages=2,
     )
-    if splits > 1 and not merge_here:
+    if splits > 1:
         _tree_attn_merge[(bs * hkv, n_rows)](
             pm, pl, pacc, out, n, n_rows, hkv, splits, *out.stride(),
             GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=2,

@@ -13,7 +13,6 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-from importlib import import_module
 
 import pytest
 import torch
@@ -226,27 +225,6 @@ def test_triton_splits_agree(splits: int) -> None:
     """Splitting the prefix across programs (and merging) gives the same answer as one pass."""
     case = Case(2, 150, 9, 2, 2, 64, torch.float32, False, splits=splits, seed=21)
     _check_kernel(case)
-
-
-@needs_triton
-@pytest.mark.parametrize("splits", [2, 8])
-def test_triton_merge_in_the_last_split_is_the_merge_kernels_and_resets_its_counters(
-        splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last split of a row block to finish merges the partials (MERGE_IN_KERNEL): the separate merge
-    kernel's answer to float32 rounding, the same bits whichever split came last (two launches), and every
-    arrival counter back at 0 after a launch, as the next launch or graph replay needs."""
-    tree_attention_module = import_module("ddtree.kernels.tree_attention")  # the package's name is the function
-    case = Case(2, 150, 9, 2, 2, 64, torch.float32, False, splits=splits, seed=26)
-    inputs = make_inputs(case, DEVICE)
-    monkeypatch.setattr(tree_attention_module, "MERGE_IN_KERNEL", True)
-    here = tree_attention_triton(**inputs, splits=splits)
-    counters = tree_attention_module._COUNTERS[inputs["q"].device]
-    assert int(counters.abs().sum()) == 0, "a counter was left non-zero"
-    assert torch.equal(tree_attention_triton(**inputs, splits=splits), here)
-    monkeypatch.setattr(tree_attention_module, "MERGE_IN_KERNEL", False)
-    apart = tree_attention_triton(**inputs, splits=splits)
-    assert_close(here, apart, atol=1e-6, rtol=1e-5, what=f"merged in the kernel vs the merge kernel, {splits} splits")
-    assert_close(here, exact(inputs), what=f"merged in the kernel, {splits} splits")
 
 
 @needs_triton
