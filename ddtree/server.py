@@ -2,7 +2,7 @@
 
     create_app(engine, spec, args, codec=None, scheduler=None) -> FastAPI
         # an engine with open_batch, served by a thread (tests pass a fake); or an EngineProcess's report
-    start_engine(load, args) -> EngineProcess   # fork the engine process; serve(engine, args, codec) -> status
+    start_engine(load, args, factory=None) -> EngineProcess   # fork the engine process; serve(engine, args, codec) -> status
     build_parser() -> argparse.ArgumentParser   # SGLang's flag names
     main(argv=None) -> int                      # 0 after a clean SIGTERM drain, 2 on a bad flag
 
@@ -33,7 +33,7 @@ from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.serving import stamps
 from ddtree.serving.api import ServingApp, install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
-from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, freeze_heap
+from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, SchedulerFactory, freeze_heap
 from ddtree.serving.polling import describe, polling_window
 from ddtree.serving.state import READY_LINE, EngineLike, ServerState, open_scheduler
 from ddtree.text import TextCodec, load_tokenizer
@@ -215,9 +215,11 @@ def load_engine(args: ServerArgs) -> tuple[Any, int]:
     return engine, args.context_length or engine.max_context
 
 
-def start_engine(load: Callable[[], tuple[Any, int]], args: ServerArgs) -> EngineProcess:
-    """Fork the engine process (before this one starts a thread or touches CUDA); `load` runs there."""
-    return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), args.log_level,
+def start_engine(load: Callable[[], tuple[Any, int]], args: ServerArgs,
+                 factory: SchedulerFactory | None = None) -> EngineProcess:
+    """Fork the engine process (before this one starts a thread or touches CUDA); `load` runs there, then `factory`
+    (default: open_scheduler for `args`) opens the batch and the Scheduler it serves."""
+    return EngineProcess(load, factory or partial(open_scheduler, spec=args.spec, args=args), args.log_level,
                          polling_window(args.sleep_on_idle))
 
 

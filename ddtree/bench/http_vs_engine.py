@@ -4,12 +4,17 @@ r"""The HTTP server against the engine in process, on the same prompts: `python 
         --contexts 60 1024 4096 --concurrency 1 8 32 --repeats 3 --out http_vs_engine.json
     python -m ddtree.bench.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
 
-Per config one server is started (`python -m ddtree.server`, the suite's local backend) and one batch is
-opened in this process the way the server opens its own (same rows, same length). Per cell (context x
-concurrency) every repeat times, in turn: the batch driven directly (a closed loop of `concurrency`
-requests on a thread of its own, as the server's scheduler runs it, with no HTTP, hand-over or text in
-between), a streaming client and a non-streaming client (the sweep's load generator, ddtree.bench.loadgen). Each prints
-output tok/s, TTFT, TPOT and E2E (median and p90) and the ratio HTTP / in process of the medians.
+Per config one server is started (ddtree.server, as the suite's local backend starts it). Per cell (context x
+concurrency) it is timed three ways, on the same prompts: the server's batch driven directly (a closed loop
+of `concurrency` requests on a thread of its own, as the server's scheduler runs it, with no HTTP, hand-over
+or text in between), a streaming client and a non-streaming client (the sweep's load generator,
+ddtree.bench.loadgen). Each prints output tok/s, TTFT, TPOT and E2E (median and p90) and the ratio HTTP / in
+process of the medians.
+
+Where the in-process side runs (`--in-process`): "same" (the default) in the server's own engine process, on
+the very batch it then serves, before it serves (ddtree.bench.in_process says why: a round's time moves by
+up to ~8% between process starts); "separate" in a batch this process opens the way the server opens its own,
+its repeats interleaved with the HTTP ones.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
 `ddtree.bench.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
@@ -28,7 +33,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -37,83 +41,22 @@ from typing import Any
 
 from ddtree.bench.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
 from ddtree.bench.fresh_runs import drive
+from ddtree.bench.in_process import (
+    measure_cell,
+    measuring,
+    read_results,
+    run_in_process,  # noqa: F401  (re-exported: tests use it here)
+    write_plan,
+)
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_client, run_requests, tls_verify
 from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.bench.results import git_commit
-from ddtree.bench.round_overhead import on_a_thread
 from ddtree.config import SpecConfig
-from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError
 from ddtree.service.local import LocalBackend
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 MODES = ("engine", "stream", "plain")  # in process, streaming client, non-streaming client
-
-
-# -- in process -----------------------------------------------------------------------------------------
-
-
-def _sync(engine: Any) -> None:
-    device = getattr(engine, "device", None)
-    if device is not None and device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], concurrency: int,
-                   max_new_tokens: int, step_seconds: list[float] | None = None) -> list[RequestRecord]:
-    """Every prompt once through `batch`, `concurrency` in flight (closed loop, FIFO), greedy, ignore_eos;
-    a RequestRecord per prompt with the times a client would see (TTFT at the first token handed back).
-    step_seconds: each decode round's time is appended to it."""
-    records = [RequestRecord(ok=False, prompt_tokens=len(p)) for p in prompts]
-    sent: dict[str, float] = {}
-    last: dict[str, float] = {}
-    index = {f"in-{i}": i for i in range(len(prompts))}
-    waiting = list(index)
-
-    def absorb(outputs: list[StepOutput], now: float) -> None:
-        for out in outputs:
-            rec = records[index[out.request_id]]
-            if out.new_token_ids:
-                if rec.ttft_s is None:
-                    rec.ttft_s = now - sent[out.request_id]
-                else:
-                    rec.itl_s.append(now - last[out.request_id])
-                last[out.request_id] = now
-            rec.output_ids.extend(out.new_token_ids)
-            rec.completion_tokens = len(rec.output_ids)
-            if out.accept_lengths:
-                rec.spec_verify_ct = out.verify_steps
-            if out.finished:
-                rec.ok, rec.finish_reason = True, out.finish_reason
-                rec.e2e_s = now - sent[out.request_id]
-                n = rec.completion_tokens
-                if rec.ttft_s is not None and n > 1:
-                    rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (n - 1)
-
-    _sync(engine)
-    running = 0
-    while waiting or running:
-        room = min(concurrency - running, batch.free_slots, len(waiting))
-        if room:
-            joining, waiting = waiting[:room], waiting[room:]
-            now = time.perf_counter()
-            for rid in joining:
-                sent[rid] = now
-                records[index[rid]].started_at = time.time()
-            requests = [Request(rid, list(prompts[index[rid]]), max_new_tokens, ignore_eos=True) for rid in joining]
-            outputs = batch.add_many(requests)
-            running += len(joining)
-        else:
-            started = time.perf_counter()
-            outputs = batch.step()
-            if step_seconds is not None:
-                step_seconds.append(time.perf_counter() - started)
-        now = time.perf_counter()
-        absorb(outputs, now)
-        running -= sum(1 for o in outputs if o.finished)
-    return records
 
 
 # -- numbers --------------------------------------------------------------------------------------------
@@ -204,24 +147,57 @@ def _mean_round_ms(before: tuple[float, float] | None, after: tuple[float, float
     return 1000.0 * (after[1] - before[1]) / (after[0] - before[0])
 
 
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-plan", type=Path, default=None,
+                   help="cells the engine process measures in process before it serves (ddtree.bench.in_process)")
+    p.add_argument("--engine-results", type=Path, default=None, help="where it writes them")
+
+
+def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
+    """The real server (routes, engine process, scheduler, text); with ns.engine_plan, its engine process first
+    measures the batch it serves in process (ddtree.bench.in_process.measuring)."""
+    from ddtree.server import serve, setup_logging, start_engine
+    from ddtree.serving.args import resolve_args
+    from ddtree.serving.state import open_scheduler
+    from ddtree.text import load_tokenizer
+
+    if (ns.engine_plan is None) != (ns.engine_results is None):
+        raise SystemExit("--engine-plan and --engine-results go together")
+    args = resolve_args(rest)
+    setup_logging(args.log_level)
+    factory = None
+    if ns.engine_plan is not None:
+        factory = measuring(partial(open_scheduler, spec=args.spec, args=args), ns.engine_plan, ns.engine_results)
+    engine = start_engine(partial(load, args), args, factory)
+    return serve(engine, args, load_tokenizer(args.model_path))
+
+
+def serve_model(argv: list[str]) -> int:
+    """`python -m ddtree.bench.http_vs_engine serve --engine-plan P --engine-results R <server flags>`: ddtree.server,
+    whose engine process measures its batch in process first."""
+    from ddtree.server import load_engine
+
+    p = argparse.ArgumentParser(prog="serve")
+    _plan_flags(p)
+    ns, rest = p.parse_known_args(argv)
+    return _serve(ns, rest, load_engine)
+
+
 def serve_emulated(argv: list[str]) -> int:
     """`python -m ddtree.bench.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
     server (routes, engine process, scheduler, text) in front of an EmulatedEngine."""
-    from ddtree.server import serve, setup_logging, start_engine
-    from ddtree.serving.args import resolve_args
-    from ddtree.text import load_tokenizer
-
     p = argparse.ArgumentParser(prog="serve-emulated")
     p.add_argument("--round-ms", type=float, required=True)
     p.add_argument("--prefill-ms", type=float, required=True)
     p.add_argument("--tokens-per-round", type=int, required=True)
     p.add_argument("--prefill-token-us", type=float, default=0.0)
+    _plan_flags(p)
     ns, rest = p.parse_known_args(argv)
-    args = resolve_args(rest)
-    setup_logging(args.log_level)
-    engine = start_engine(partial(_emulated_engine, args, ns.round_ms, ns.prefill_ms, ns.tokens_per_round,
-                                  ns.prefill_token_us), args)
-    return serve(engine, args, load_tokenizer(args.model_path))
+
+    def load(args: Any) -> tuple[EmulatedEngine, int]:
+        return _emulated_engine(args, ns.round_ms, ns.prefill_ms, ns.tokens_per_round, ns.prefill_token_us)
+
+    return _serve(ns, rest, load)
 
 
 def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_round: int,
@@ -235,20 +211,18 @@ def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_r
     return engine, args.context_length or engine.max_context
 
 
-class EmulatedBackend(LocalBackend):
-    """The suite's local backend, launching this module's serve-emulated instead of ddtree.server."""
+class BenchBackend(LocalBackend):
+    """The suite's local backend, launching one of this module's serve commands instead of ddtree.server."""
 
     module = "ddtree.bench.http_vs_engine"
 
-    def __init__(self, round_ms: float, prefill_ms: float, tokens_per_round: int, prefill_token_us: float = 0.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, serve_args: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.emulation = ["--round-ms", str(round_ms), "--prefill-ms", str(prefill_ms),
-                          "--tokens-per-round", str(tokens_per_round), "--prefill-token-us", str(prefill_token_us)]
+        self.serve_args = serve_args  # the subcommand and its own flags
 
     def command(self, spec: SpecConfig) -> list[str]:
         cmd = super().command(spec)  # [python, -m, module, server flags...]
-        return cmd[:3] + ["serve-emulated", *self.emulation] + cmd[3:]
+        return cmd[:3] + self.serve_args + cmd[3:]
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
@@ -259,13 +233,17 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _backend(args: argparse.Namespace, log_dir: Path) -> LocalBackend:
+def _backend(args: argparse.Namespace, log_dir: Path, plan: tuple[Path, Path] | None = None) -> LocalBackend:
+    """The server the bench measures; with plan = (plan, results), its engine process measures in process first."""
     common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=server_flags(args))
+    measured = [] if plan is None else ["--engine-plan", str(plan[0]), "--engine-results", str(plan[1])]
     if args.engine == "emulated":
-        return EmulatedBackend(args.round_ms, args.prefill_ms, args.tokens_per_round, args.prefill_token_us, **common)
-    return LocalBackend(**common)
+        emulation = ["--round-ms", str(args.round_ms), "--prefill-ms", str(args.prefill_ms),
+                     "--tokens-per-round", str(args.tokens_per_round), "--prefill-token-us", str(args.prefill_token_us)]
+        return BenchBackend(["serve-emulated", *emulation, *measured], **common)
+    return BenchBackend(["serve", *measured], **common) if measured else LocalBackend(**common)
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -291,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=1,
                    help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
                         "median ratio over the runs (ddtree.bench.fresh_runs)")
+    p.add_argument("--in-process", choices=("same", "separate"), default="same",
+                   help="where the in-process side runs: same: in the server's own engine process, on the batch it then "
+                        "serves, before it serves (one process start for both sides); separate: an engine loaded in "
+                        "this process, its repeats interleaved with the HTTP ones")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
@@ -349,6 +331,11 @@ def _load_engine(args: argparse.Namespace) -> Any:
     return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
 
 
+def _timed(args: argparse.Namespace, prompts: list[list[int]], conc: int) -> list[list[int]]:
+    n = args.requests or max(conc, 8)
+    return prompts[args.warmup:args.warmup + n]
+
+
 def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
     """Every cell's row; on_row(rows so far) after each (main writes --out there, so a run cut short keeps them)."""
     from ddtree.bench.engine_bench import parse_configs
@@ -359,27 +346,41 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     specs = parse_configs(args.configs)
     if args.client_processes > 1:
         client_pool(args.client_processes)  # started before anything is timed (and before CUDA: spawned anyway)
-    engine = _load_engine(args)
+    same = args.in_process == "same"
+    engine = None if same else _load_engine(args)
     codec = load_tokenizer(args.target)
     n_max = max(args.requests or max(c, 8) for c in args.concurrency)
     prompts = {ctx: code_prompts(codec, ctx, n_max + args.warmup) for ctx in args.contexts}
     # the servers' logs (local-PORT.log): beside --out, else in a folder of their own (never the cwd)
     log_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-"))
     log(f"server logs: {log_dir}", flush=True)
+    cells = [(ctx, conc) for ctx in args.contexts for conc in args.concurrency]
+    plan_path = log_dir / "engine-plan.json"
+    if same:
+        write_plan(plan_path, [(ctx, conc, _timed(args, prompts[ctx], conc)) for ctx, conc in cells],
+                   args.repeats, args.max_new_tokens)
     rows = []
     for spec in specs:
-        backend = _backend(args, log_dir)
+        results = log_dir / f"engine-{spec.id}.json"
+        backend = _backend(args, log_dir, (plan_path, results) if same else None)
+        if same:
+            log(f"[{spec.id}] the server's engine process measures its batch in process first "
+                f"({len(cells)} cells x {args.repeats + 1} passes) -> {results}", flush=True)
         backend.start(spec)
         try:
             wait_ready(backend, timeout_s=args.startup_timeout)
-            context_length = backend.reported_settings().get("context_length") or engine.max_context
-            batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
-            for ctx in args.contexts:
-                for conc in args.concurrency:
-                    rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, log))
-                    if on_row is not None:
-                        on_row(rows)
-                    log(format_rows(rows[-1:]).split("\n", 1)[1], flush=True)
+            measured, batch = None, None
+            if same:
+                measured = read_results(results)
+            else:
+                context_length = backend.reported_settings().get("context_length") or engine.max_context
+                batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+            for ctx, conc in cells:
+                in_process = None if measured is None else measured[(ctx, conc)]
+                rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, in_process))
+                if on_row is not None:
+                    on_row(rows)
+                log(format_rows(rows[-1:]).split("\n", 1)[1], flush=True)
             del batch
         finally:
             backend.stop()
@@ -387,12 +388,12 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
 
 
 def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: SpecConfig, prompts: list[list[int]],
-          ctx: int, conc: int, log: Any) -> dict[str, Any]:
-    n = args.requests or max(conc, 8)
-    warm, timed = prompts[:args.warmup], prompts[args.warmup:args.warmup + n]
-    # the in-process loop runs on a thread, as the server's scheduler runs its rounds (on the 2-core CPU torch
-    # ran the fixture's rounds up to ~5x slower on the main thread, with its two intra-op threads)
-    on_a_thread(run_in_process, engine, batch, timed, conc, args.max_new_tokens)  # untimed: captures made
+          ctx: int, conc: int, in_process: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One cell's row. in_process: the repeats the server's engine process measured (--in-process same); else the
+    batch here runs them, interleaved with the HTTP ones."""
+    warm, timed = prompts[:args.warmup], _timed(args, prompts, conc)
+    if in_process is None:
+        measure_cell(engine, batch, timed, conc, args.max_new_tokens, 0)  # untimed: captures made
     if warm:
         for stream in (True, False):
             run_client(run_requests(url, warm, conc, args.max_new_tokens, stream=stream,
@@ -400,13 +401,12 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
     repeats: dict[str, list[dict[str, Any]]] = {m: [] for m in ("engine", *args.modes)}
     reference: list[list[int]] | None = None
     mismatched = {m: 0 for m in repeats}
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         for mode in repeats:  # interleaved: a drifting machine moves every mode alike
-            _sync(engine)
             if mode == "engine":
-                steps: list[float] = []
-                records = on_a_thread(run_in_process, engine, batch, timed, conc, args.max_new_tokens, steps)
-                round_ms = 1000.0 * statistics.fmean(steps) if steps else None
+                rep = in_process[i] if in_process else measure_cell(engine, batch, timed, conc, args.max_new_tokens,
+                                                                    1, warm=False)[0]
+                records, round_ms = rep["records"], rep["round_ms"]
             else:
                 before = server_rounds(url)  # a /metrics scrape: 20-40 ms, outside every timed span
                 records = run_client(run_requests(url, timed, conc, args.max_new_tokens, stream=mode == "stream",
@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve-emulated"]:
         return serve_emulated(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve_model(argv[1:])
     args = build_parser().parse_args(argv)
     if args.device is None:
         import torch
@@ -439,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = datetime.now(UTC).isoformat(timespec="seconds")
     meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
-            "engine": args.engine, "device": args.device, "client_processes": args.client_processes,
+            "engine": args.engine, "in_process": args.in_process, "device": args.device,
+            "client_processes": args.client_processes,
             "commit": git_commit()}
     if args.runs > 1:
         return drive("ddtree.bench.http_vs_engine", argv, args.runs, args.out,

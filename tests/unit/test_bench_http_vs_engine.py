@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import tempfile
 import threading
 from pathlib import Path
@@ -200,18 +201,31 @@ def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str])
     assert hve.main(["--engine", "emulated", "--concurrency", "64", "--max-running-requests", "32"]) == 2
 
 
-def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["same", "separate"])
+def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """Engine, streaming and plain clients on the same prompts, through a real server process; T = 0
-    outputs identical both ways (the exit status says so)."""
+    outputs identical both ways (the exit status says so). "same": the in-process repeats come from the
+    server's engine process (its results file, written by another process than this one)."""
+    import os
+
     monkeypatch.setenv("DDTREE_COMMIT", "pinned-for-the-test")
     out = tmp_path / "hve.json"
     code = hve.main(["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "3",
-                     "--requests", "3", "--repeats", "1", "--warmup", "1", "--max-new-tokens", "12",
-                     "--max-running-requests", "4", "--round-ms", "1", "--out", str(out)])
+                     "--requests", "3", "--repeats", "2", "--warmup", "1", "--max-new-tokens", "12",
+                     "--max-running-requests", "4", "--round-ms", "1", "--in-process", where, "--out", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert data["meta"]["commit"] == "pinned-for-the-test"  # DDTREE_COMMIT: a copied tree names its commit
+    assert data["meta"]["in_process"] == where
+    results = tmp_path / "engine-ar.json"
+    assert results.exists() == (where == "same")
+    if where == "same":
+        measured = json.loads(results.read_text())
+        assert measured["pid"] != os.getpid()
+        assert [(c["context"], c["concurrency"], len(c["repeats"])) for c in measured["cells"]] == [(60, 1, 2), (60, 3, 2)]
+        for row, cell in zip(rows, measured["cells"]):  # the row's in-process numbers are that process's
+            assert row["engine"]["round_ms"] == pytest.approx(statistics.median(r["round_ms"] for r in cell["repeats"]))
     assert [(r["context"], r["concurrency"]) for r in rows] == [(60, 1), (60, 3)]
     for row in rows:
         assert set(row["mismatched"].values()) == {0}
@@ -283,3 +297,25 @@ def test_a_repeats_tok_per_s_is_over_its_requests_span(monkeypatch: pytest.Monke
     for mode in ("engine", "stream"):
         assert row[mode]["duration_s"] < 0.25, (mode, row[mode]["duration_s"])  # 2 x 8 rounds of 1 ms, not 0.6 s
         assert row[mode]["tok_per_s"] == pytest.approx(16 / row[mode]["duration_s"])
+
+
+def test_a_failed_in_process_measurement_stops_the_server_with_its_reason(tmp_path: Path) -> None:
+    """What the engine process's measurement raises is the server's start-up failure (exit 1, the reason logged),
+    not a server that comes up without the numbers."""
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.json"
+    hve.write_plan(plan, [(60, 1, [[5, 6, 7]])], 1, 4)
+    broken = json.loads(plan.read_text())
+    del broken["max_new_tokens"]  # read when the first cell runs
+    plan.write_text(json.dumps(broken))
+    target = hve.FIXTURES / "target"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddtree.bench.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
+         "--tokens-per-round", "1", "--engine-plan", str(plan), "--engine-results", str(tmp_path / "r.json"),
+         "--model-path", str(target), "--port", "0", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "the engine failed to start: KeyError: 'max_new_tokens'" in proc.stderr
+    assert not (tmp_path / "r.json").exists()
