@@ -9,8 +9,10 @@ Why the server's own engine process (`--in-process same`, the default): on the H
 round's time moves by up to ~8% from one process start to the next (ddtree.bench.fresh_runs), the
 in-process batch's and the server's alike, so a batch in the bench's process against the server's batch
 in its engine process compares two starts as much as it measures HTTP. Measured in the engine process,
-on the batch it then serves (same graphs, same memory, same CPUs), before it serves, the ratio compares
-one process with itself. The price: its repeats all come first, not interleaved with the HTTP ones.
+on the batch it then serves (same graphs, same memory, same CPUs), in the state it serves in (after the
+scheduler's graph warm-up, the heap frozen, the scheduler's GIL switch interval), before it serves, the
+ratio compares one process with itself. The price: its repeats all come first, not interleaved with the
+HTTP ones.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -27,6 +30,7 @@ from typing import Any
 from ddtree.bench.loadgen import RequestRecord
 from ddtree.bench.round_overhead import on_a_thread
 from ddtree.engine import Request, StepOutput
+from ddtree.serving.engine_process import freeze_heap
 
 
 def sync(engine: Any) -> None:
@@ -134,6 +138,12 @@ def measuring(factory: Any, plan: Path, results: Path) -> Any:
 
     def open_measured(engine: Any, context_length: int, metrics: Any, deliver: Any) -> Any:
         scheduler = factory(engine, context_length, metrics, deliver)
+        # the state the batch serves in: the scheduler's warm-up (every row bucket's graphs, largest first; its own
+        # run later finds them captured), the heap frozen (engine_main's freeze_heap), the GIL's switch interval
+        on_a_thread(scheduler._warm_up)
+        freeze_heap()
+        if scheduler.switch_interval_s is not None:
+            sys.setswitchinterval(scheduler.switch_interval_s)
         spec = json.loads(Path(plan).read_text())
         done: list[dict[str, Any]] = []
         for cell in spec["cells"]:
