@@ -61,6 +61,7 @@ def _add_target_shape(p: argparse.ArgumentParser) -> None:
 def _add_drafter_shape(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("drafter shape")
     g.add_argument("--draft-layers", type=int, default=2)
+    g.add_argument("--draft-intermediate-size", type=int, default=None, help="the drafter's MLP width (default: the target's)")
     g.add_argument("--block-size", type=int, default=8)
     g.add_argument("--window", type=int, default=2048)
     g.add_argument("--num-anchors", type=int, default=64)
@@ -195,7 +196,7 @@ def _drafter_shape(args: argparse.Namespace) -> object:
     return DrafterShape(
         num_hidden_layers=args.draft_layers, block_size=args.block_size, window=args.window,
         num_anchors=args.num_anchors, gamma=args.gamma, soft_weight=args.soft_weight, target_layer_ids=ids, init=args.init,
-        init_from=args.init_from,
+        init_from=args.init_from, intermediate_size=args.draft_intermediate_size,
     )
 
 

@@ -353,6 +353,41 @@ def test_a_drafter_given_more_taps_starts_out_computing_what_it_did(data_dir: Pa
     assert f"target layers [{extra}] added to the taps" in (tmp_path / "b" / "README.md").read_text()
 
 
+def test_a_drafter_with_wider_mlps_starts_out_computing_what_the_narrower_one_does(data_dir: Path, target_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """intermediate_size I -> 3 I: start's units keep their weights, the new units' down-projection columns start at
+    zero (their gate and up rows random), so the outputs are unchanged; a narrower MLP does not fit."""
+    from dataclasses import replace
+
+    from ddtree.models import init_drafter, load_drafter, load_target
+    from ddtree.train.drafter import init_from_drafter
+
+    train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
+    target = load_target(target_dir)
+    small = load_drafter(tmp_path / "a", target, dtype=torch.float32)
+    width = small.config.intermediate_size
+    shape = replace(TINY_DRAFTER, intermediate_size=3 * width, target_layer_ids=small.config.target_layer_ids)
+    wide = init_drafter(shape.config(target.config), target, seed=1).to(torch.float32)
+    assert init_from_drafter(wide, small, "a") == []
+    mlp = wide.layers[0].mlp
+    assert mlp.down_proj.weight.shape[1] == 3 * width and mlp.down_proj.weight[:, width:].abs().sum() == 0
+    assert mlp.up_proj.weight[width:].abs().sum() > 0
+    assert torch.equal(mlp.gate_proj.weight[:width], small.layers[0].mlp.gate_proj.weight)
+    ids = torch.randint(2, target.config.vocab_size, (2, 40))
+    anchors = torch.tensor([[3, 17], [9, 30]])
+    with torch.no_grad():
+        _, taps = target.forward_train(ids, list(small.config.target_layer_ids))
+        want = small.forward_train(taps, ids, anchors, TINY_DRAFTER.block_size, 32)
+        got = wide.forward_train(taps, ids, anchors, TINY_DRAFTER.block_size, 32)
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"intermediate_size \d+ -> \d+ \(narrower\)"):
+        init_from_drafter(small, wide, "a")
+    summary = train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0),
+                            replace(shape, init_from=str(tmp_path / "a")))
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["intermediate_size"] == 3 * width
+    assert summary["steps"] == 1
+
+
 def test_soft_loss_is_the_kl_to_the_targets_distribution_at_each_block_position() -> None:
     from ddtree.train.drafter import soft_loss
 
