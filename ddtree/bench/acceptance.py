@@ -61,6 +61,20 @@ def heldout_prompts(target_dir: Path, count: int, context: int, stdlib_root: Pat
     return prompts
 
 
+def source_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """--source-dir's prompts, checked before a model loads."""
+    from ddtree.bench.prompts import code_prompts
+    from ddtree.errors import ConfigError
+
+    codec = load_tokenizer(args.target)
+    if codec is None:
+        raise SystemExit(f"{args.target}: no tokenizer.json")
+    try:
+        return code_prompts(codec, args.context, args.prompts, args.source_dir)
+    except ConfigError as err:
+        raise SystemExit(f"--source-dir: {err}") from err
+
+
 def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
             batch: int) -> dict:
     engine.generate(prompts[0], 4, spec=spec, ignore_eos=True)  # warm-up, left out of the timing
@@ -98,10 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdlib-root", type=Path, default=None,
                    help="where the card's held-out files are (default: this Python's stdlib)")
     p.add_argument("--per-file", type=int, default=1, help="at most this many non-overlapping prompts per file")
+    p.add_argument("--source-dir", type=Path, default=None,
+                   help="cut the prompts from this folder's .py files instead (ddtree.bench.prompts.code_prompts: "
+                        "consecutive windows of the sorted files): other code than the held-out files")
     args = p.parse_args(argv)
 
+    prompts = source_prompts(args) if args.source_dir is not None else heldout_prompts(
+        args.target, args.prompts, args.context, args.stdlib_root, args.per_file)
     engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
-    prompts = heldout_prompts(args.target, args.prompts, args.context, args.stdlib_root, args.per_file)
     ar = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), args.max_new_tokens, args.batch)
     rows = [ar]
     print(f"{'config':22} {'tau':>6} {'tok/s':>8} {'vs AR':>6}  lossless")
@@ -116,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         summary = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
         meta = {"prompts": args.prompts, "context": args.context, "max_new_tokens": args.max_new_tokens,
+                "source": str(args.source_dir) if args.source_dir is not None else "held-out files",
                 "device": args.device, "batch": args.batch, "per_file": args.per_file, "drafter": str(args.drafter)}
         args.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))
     return 0 if all(r.get("lossless", True) for r in rows) else 1

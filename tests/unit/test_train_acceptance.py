@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench.acceptance import heldout_files, heldout_prompts
+from ddtree.bench.acceptance import heldout_files, heldout_prompts, main
+from ddtree.bench.prompts import code_prompts
 from ddtree.text import load_tokenizer
 
 FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
@@ -45,3 +46,31 @@ def test_per_file_takes_the_next_non_overlapping_windows(pair: tuple[Path, Path]
         heldout_prompts(target, 2, ctx, root)  # the short file has fewer than ctx tokens
     with pytest.raises(SystemExit, match="--per-file"):
         heldout_prompts(target, 1, ctx, root, per_file=0)
+
+
+def test_source_dir_cuts_the_prompts_from_that_folder(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--source-dir: the prompts are code_prompts' windows of that folder, not the card's files; a folder with too
+    little code is refused before any model loads."""
+    import argparse
+
+    import ddtree.bench.acceptance as acc
+
+    target, root = pair
+    args = argparse.Namespace(target=target, source_dir=root / "a", context=50, prompts=2)
+    assert acc.source_prompts(args) == code_prompts(load_tokenizer(target), 50, 2, root / "a")
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*_: object, **__: object) -> None:
+        raise Loaded
+
+    def card(*_: object, **__: object) -> None:
+        raise AssertionError("the card's held-out files were read")
+
+    monkeypatch.setattr(acc.Engine, "from_pretrained", loaded)
+    monkeypatch.setattr(acc, "heldout_prompts", card)
+    with pytest.raises(Loaded):  # the prompts were cut, then the model would load
+        main(["--target", str(target), "--source-dir", str(root / "a"), "--prompts", "2", "--context", "50"])
+    with pytest.raises(SystemExit, match="--source-dir: context_len x count"):
+        main(["--target", str(target), "--source-dir", str(root), "--prompts", "5", "--context", "50"])
