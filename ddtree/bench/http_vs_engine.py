@@ -353,6 +353,7 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     prompts = {ctx: code_prompts(codec, ctx, n_max + args.warmup) for ctx in args.contexts}
     # the servers' logs (local-PORT.log): beside --out, else in a folder of their own (never the cwd)
     log_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     log(f"server logs: {log_dir}", flush=True)
     cells = [(ctx, conc) for ctx in args.contexts for conc in args.concurrency]
     plan_path = log_dir / "engine-plan.json"

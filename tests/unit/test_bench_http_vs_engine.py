@@ -209,7 +209,7 @@ def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.Mon
     import os
 
     monkeypatch.setenv("DDTREE_COMMIT", "pinned-for-the-test")
-    out = tmp_path / "hve.json"
+    out = tmp_path / "new" / "hve.json"  # a folder that does not exist yet
     code = hve.main(["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "3",
                      "--requests", "3", "--repeats", "2", "--warmup", "1", "--max-new-tokens", "12",
                      "--max-running-requests", "4", "--round-ms", "1", "--in-process", where, "--out", str(out)])
@@ -218,7 +218,7 @@ def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.Mon
     rows = data["rows"]
     assert data["meta"]["commit"] == "pinned-for-the-test"  # DDTREE_COMMIT: a copied tree names its commit
     assert data["meta"]["in_process"] == where
-    results = tmp_path / "engine-ar.json"
+    results = out.parent / "engine-ar.json"
     assert results.exists() == (where == "same")
     if where == "same":
         measured = json.loads(results.read_text())
