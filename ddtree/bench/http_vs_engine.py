@@ -12,9 +12,9 @@ ddtree.bench.loadgen). Each prints output tok/s, TTFT, TPOT and E2E (median and 
 process of the medians.
 
 Where the in-process side runs (`--in-process`): "same" (the default) in the server's own engine process, on
-the very batch it then serves, before it serves (ddtree.bench.in_process says why: a round's time moves by
-up to ~8% between process starts); "separate" in a batch this process opens the way the server opens its own,
-its repeats interleaved with the HTTP ones.
+the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.bench.in_process
+says why: a round's time moves by up to ~8% between process starts); "separate" in a batch this process opens
+the way the server opens its own. Either way the modes' repeats take turns.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
 `ddtree.bench.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
@@ -42,9 +42,9 @@ from typing import Any
 from ddtree.bench.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
 from ddtree.bench.fresh_runs import drive
 from ddtree.bench.in_process import (
+    EngineChannel,
     measure_cell,
     measuring,
-    read_results,
     run_in_process,  # noqa: F401  (re-exported: tests use it here)
     write_plan,
 )
@@ -149,8 +149,7 @@ def _mean_round_ms(before: tuple[float, float] | None, after: tuple[float, float
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-plan", type=Path, default=None,
-                   help="cells the engine process measures in process before it serves (ddtree.bench.in_process)")
-    p.add_argument("--engine-results", type=Path, default=None, help="where it writes them")
+                   help="cells the engine process measures in process on request (ddtree.bench.in_process)")
 
 
 def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
@@ -161,20 +160,18 @@ def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
     from ddtree.serving.state import open_scheduler
     from ddtree.text import load_tokenizer
 
-    if (ns.engine_plan is None) != (ns.engine_results is None):
-        raise SystemExit("--engine-plan and --engine-results go together")
     args = resolve_args(rest)
     setup_logging(args.log_level)
     factory = None
     if ns.engine_plan is not None:
-        factory = measuring(partial(open_scheduler, spec=args.spec, args=args), ns.engine_plan, ns.engine_results)
+        factory = measuring(partial(open_scheduler, spec=args.spec, args=args), ns.engine_plan)
     engine = start_engine(partial(load, args), args, factory)
     return serve(engine, args, load_tokenizer(args.model_path))
 
 
 def serve_model(argv: list[str]) -> int:
-    """`python -m ddtree.bench.http_vs_engine serve --engine-plan P --engine-results R <server flags>`: ddtree.server,
-    whose engine process measures its batch in process first."""
+    """`python -m ddtree.bench.http_vs_engine serve --engine-plan P <server flags>`: ddtree.server, whose engine
+    process measures its batch in process when the bench asks."""
     from ddtree.server import load_engine
 
     p = argparse.ArgumentParser(prog="serve")
@@ -233,12 +230,12 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _backend(args: argparse.Namespace, log_dir: Path, plan: tuple[Path, Path] | None = None) -> LocalBackend:
-    """The server the bench measures; with plan = (plan, results), its engine process measures in process first."""
+def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) -> LocalBackend:
+    """The server the bench measures; with a plan, its engine process measures in process on request."""
     common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=server_flags(args))
-    measured = [] if plan is None else ["--engine-plan", str(plan[0]), "--engine-results", str(plan[1])]
+    measured = [] if plan is None else ["--engine-plan", str(plan)]
     if args.engine == "emulated":
         emulation = ["--round-ms", str(args.round_ms), "--prefill-ms", str(args.prefill_ms),
                      "--tokens-per-round", str(args.tokens_per_round), "--prefill-token-us", str(args.prefill_token_us)]
@@ -270,9 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
                         "median ratio over the runs (ddtree.bench.fresh_runs)")
     p.add_argument("--in-process", choices=("same", "separate"), default="same",
-                   help="where the in-process side runs: same: in the server's own engine process, on the batch it then "
-                        "serves, before it serves (one process start for both sides); separate: an engine loaded in "
-                        "this process, its repeats interleaved with the HTTP ones")
+                   help="where the in-process side runs: same: in the server's own engine process, on the batch it "
+                        "serves, each repeat between the HTTP ones with the scheduler paused; separate: an engine "
+                        "loaded in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
@@ -357,41 +354,42 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     log(f"server logs: {log_dir}", flush=True)
     cells = [(ctx, conc) for ctx in args.contexts for conc in args.concurrency]
     plan_path = log_dir / "engine-plan.json"
-    if same:
-        write_plan(plan_path, [(ctx, conc, _timed(args, prompts[ctx], conc)) for ctx, conc in cells],
-                   args.repeats, args.max_new_tokens)
     rows = []
     for spec in specs:
-        results = log_dir / f"engine-{spec.id}.json"
-        backend = _backend(args, log_dir, (plan_path, results) if same else None)
+        channel = None
+        if same:  # a new address and key per server
+            address, key = write_plan(plan_path, [(ctx, conc, _timed(args, prompts[ctx], conc)) for ctx, conc in cells],
+                                      args.max_new_tokens)
+        backend = _backend(args, log_dir, plan_path if same else None)
         if same:
-            log(f"[{spec.id}] the server's engine process measures its batch in process first "
-                f"({len(cells)} cells x {args.repeats + 1} passes) -> {results}", flush=True)
+            log(f"[{spec.id}] in process: in the server's engine process, between the HTTP repeats", flush=True)
         backend.start(spec)
         try:
             wait_ready(backend, timeout_s=args.startup_timeout)
-            measured, batch = None, None
+            batch = None
             if same:
-                measured = read_results(results)
+                channel = EngineChannel(address, key)
             else:
                 context_length = backend.reported_settings().get("context_length") or engine.max_context
                 batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
-            for ctx, conc in cells:
-                in_process = None if measured is None else measured[(ctx, conc)]
+            for i, (ctx, conc) in enumerate(cells):
+                in_process = None if channel is None else partial(channel.measure, i)
                 rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, in_process))
                 if on_row is not None:
                     on_row(rows)
                 log(format_rows(rows[-1:]).split("\n", 1)[1], flush=True)
             del batch
         finally:
+            if channel is not None:
+                channel.close()
             backend.stop()
     return rows
 
 
 def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: SpecConfig, prompts: list[list[int]],
-          ctx: int, conc: int, in_process: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One cell's row. in_process: the repeats the server's engine process measured (--in-process same); else the
-    batch here runs them, interleaved with the HTTP ones."""
+          ctx: int, conc: int, in_process: Any = None) -> dict[str, Any]:
+    """One cell's row, the modes' repeats interleaved. in_process() -> one in-process repeat, measured in the server's
+    engine process (--in-process same); without it the batch here runs them."""
     warm, timed = prompts[:args.warmup], _timed(args, prompts, conc)
     if in_process is None:
         measure_cell(engine, batch, timed, conc, args.max_new_tokens, 0)  # untimed: captures made
@@ -402,11 +400,11 @@ def _cell(args: argparse.Namespace, engine: Any, batch: Any, url: str, spec: Spe
     repeats: dict[str, list[dict[str, Any]]] = {m: [] for m in ("engine", *args.modes)}
     reference: list[list[int]] | None = None
     mismatched = {m: 0 for m in repeats}
-    for i in range(args.repeats):
+    for _ in range(args.repeats):
         for mode in repeats:  # interleaved: a drifting machine moves every mode alike
             if mode == "engine":
-                rep = in_process[i] if in_process else measure_cell(engine, batch, timed, conc, args.max_new_tokens,
-                                                                    1, warm=False)[0]
+                rep = in_process() if in_process else measure_cell(engine, batch, timed, conc, args.max_new_tokens,
+                                                                   1, warm=False)[0]
                 records, round_ms = rep["records"], rep["round_ms"]
             else:
                 before = server_rounds(url)  # a /metrics scrape: 20-40 ms, outside every timed span

@@ -1,29 +1,34 @@
 """The in-process side of ddtree.bench.http_vs_engine: a closed loop over a batch, and where it runs.
 
     run_in_process(engine, batch, prompts, concurrency, max_new_tokens) -> [RequestRecord]
-    write_plan(path, cells, repeats, max_new_tokens)   # the bench: what the server's engine process measures
-    measuring(factory, plan, results) -> SchedulerFactory  # that process: measure its batch, then serve it
-    read_results(path) -> {(context, concurrency): [{"records": [RequestRecord], "round_ms": float | None}]}
+    write_plan(path, cells, max_new_tokens) -> address, key   # the bench: the cells the engine process measures
+    measuring(factory, plan) -> SchedulerFactory  # that process: warm its batch, then measure it on request
+    EngineChannel(address, key).measure(i) -> {"records": [RequestRecord], "round_ms": float | None}
 
 Why the server's own engine process (`--in-process same`, the default): on the H200 host a fixture
 round's time moves by up to ~8% from one process start to the next (ddtree.bench.fresh_runs), the
 in-process batch's and the server's alike, so a batch in the bench's process against the server's batch
 in its engine process compares two starts as much as it measures HTTP. Measured in the engine process,
-on the batch it then serves (same graphs, same memory, same CPUs), in the state it serves in (after the
-scheduler's graph warm-up, the heap frozen, the scheduler's GIL switch interval), before it serves, the
-ratio compares one process with itself. The price: its repeats all come first, not interleaved with the
-HTTP ones.
+on the batch it serves (same graphs, same memory, same CPUs), in the state it serves in (after the
+scheduler's graph warm-up, the heap frozen, the scheduler's GIL switch interval), the ratio compares one
+process with itself. Each in-process repeat runs when the bench asks for it, between its HTTP repeats
+(the scheduler held idle meanwhile: Scheduler.paused), so a host that drifts moves both sides alike.
+Why multiprocessing.connection: a framed, authenticated request/reply over a Unix socket is what it is
+for; the socket is in Linux's abstract namespace, so there is no file to clean up or path to outgrow.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
@@ -115,51 +120,75 @@ def measure_cell(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], conc
 
 # -- in the server's engine process ------------------------------------------------------------------------
 
+SETTLE_S = 0.1  # after pausing: the idle scheduler thread stops polling its pipe (POLL_WINDOW_S) before rounds run
 
-def write_plan(path: Path, cells: Sequence[tuple[int, int, Sequence[Sequence[int]]]], repeats: int,
-               max_new_tokens: int) -> None:
-    """cells: (context, concurrency, the timed prompts) in the order they are measured."""
-    plan = {"repeats": repeats, "max_new_tokens": max_new_tokens,
+
+def write_plan(path: Path, cells: Sequence[tuple[int, int, Sequence[Sequence[int]]]],
+               max_new_tokens: int) -> tuple[str, bytes]:
+    """cells: (context, concurrency, the timed prompts), measured by index. Returns the channel's address and key."""
+    address, key = f"\0ddtree-in-process-{os.getpid()}-{secrets.token_hex(4)}", secrets.token_hex(16)
+    plan = {"max_new_tokens": max_new_tokens, "address": address, "key": key,
             "cells": [{"context": c, "concurrency": k, "prompts": [list(p) for p in ps]} for c, k, ps in cells]}
-    _write_json(path, plan)
-
-
-def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
+    tmp.write_text(json.dumps(plan))
     os.replace(tmp, path)  # a reader never sees half a file
+    return address, key.encode()
 
 
-def measuring(factory: Any, plan: Path, results: Path) -> Any:
-    """A SchedulerFactory (ddtree.serving.engine_process) that opens the server's scheduler with `factory`, runs
-    `plan`'s cells in process on its batch, writing `results` after each, and then hands the scheduler over to
-    serve. Runs in the engine process before it reports itself loaded: the server is not ready until the
-    measurement is done, and what it raises stops the server with its message."""
+def measuring(factory: Any, plan: Path) -> Any:
+    """A SchedulerFactory (ddtree.serving.engine_process) that opens the server's scheduler with `factory`, warms it
+    as it serves, runs each of `plan`'s cells once untimed (the captures they meet are made), and listens at the
+    plan's address: each request (a cell's index) is one timed repeat, run with the scheduler paused. Runs in the
+    engine process before it reports itself loaded, so what it raises stops the server with its message."""
 
     def open_measured(engine: Any, context_length: int, metrics: Any, deliver: Any) -> Any:
         scheduler = factory(engine, context_length, metrics, deliver)
-        # the state the batch serves in: the scheduler's warm-up (every row bucket's graphs, largest first; its own
-        # run later finds them captured), the heap frozen (engine_main's freeze_heap), the GIL's switch interval
+        spec = json.loads(Path(plan).read_text())
+        cells, max_new = spec["cells"], spec["max_new_tokens"]
         on_a_thread(scheduler._warm_up)
         freeze_heap()
         if scheduler.switch_interval_s is not None:
             sys.setswitchinterval(scheduler.switch_interval_s)
-        spec = json.loads(Path(plan).read_text())
-        done: list[dict[str, Any]] = []
-        for cell in spec["cells"]:
-            reps = measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"],
-                                spec["max_new_tokens"], spec["repeats"])
-            done.append({"context": cell["context"], "concurrency": cell["concurrency"],
-                         "repeats": [{"records": [asdict(r) for r in rep["records"]], "round_ms": rep["round_ms"]}
-                                     for rep in reps]})
-            _write_json(Path(results), {"cells": done, "pid": os.getpid()})
+        for cell in cells:
+            measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"], max_new, 0)
+        listener = Listener(spec["address"], family="AF_UNIX", authkey=spec["key"].encode())
+        threading.Thread(target=_answer, args=(listener, engine, scheduler, cells, max_new), daemon=True,
+                         name="in-process-bench").start()
         return scheduler
 
     return open_measured
 
 
-def read_results(path: Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
-    data = json.loads(Path(path).read_text())
-    return {(c["context"], c["concurrency"]): [{"records": [RequestRecord(**r) for r in rep["records"]],
-                                               "round_ms": rep["round_ms"]} for rep in c["repeats"]]
-            for c in data["cells"]}
+def _answer(listener: Any, engine: Any, scheduler: Any, cells: list[dict[str, Any]], max_new: int) -> None:
+    with listener, listener.accept() as conn:
+        while True:
+            try:
+                index = conn.recv()
+            except EOFError:  # the bench is done
+                return
+            try:
+                cell = cells[index]
+                with scheduler.paused():
+                    time.sleep(SETTLE_S)
+                    (rep,) = measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"], max_new, 1,
+                                          warm=False)
+                conn.send({"records": [asdict(r) for r in rep["records"]], "round_ms": rep["round_ms"]})
+            except Exception as err:  # the bench raises it; the server goes on serving
+                conn.send({"error": f"{type(err).__name__}: {err}"})
+
+
+class EngineChannel:
+    """The bench's end: one in-process repeat of a cell, measured in the server's engine process."""
+
+    def __init__(self, address: str, key: bytes) -> None:
+        self._conn = Client(address, family="AF_UNIX", authkey=key)
+
+    def measure(self, index: int) -> dict[str, Any]:
+        self._conn.send(index)
+        reply = self._conn.recv()
+        if "error" in reply:
+            raise RuntimeError(f"the engine process's in-process repeat failed: {reply['error']}")
+        return {"records": [RequestRecord(**r) for r in reply["records"]], "round_ms": reply["round_ms"]}
+
+    def close(self) -> None:
+        self._conn.close()

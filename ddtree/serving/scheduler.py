@@ -24,11 +24,12 @@ Three things keep a served round as fast as the engine's own:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -176,6 +177,24 @@ class Scheduler:
         self.inbox: Inbox | None = None  # set before start(): the idle thread waits on it, not on the Condition
 
     # -- called from any thread ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self, poll_s: float = 0.001) -> Iterator[None]:
+        """Hold the scheduler between requests: wait until nothing runs, waits or is being cancelled, then keep its
+        thread from admitting or running anything until the block ends. Meanwhile the caller may drive the batch
+        itself (ddtree.bench.in_process measures it in process between served requests); arrivals queue up."""
+        while True:
+            self._cond.acquire()
+            # _running empties at the last request's hand-out, after which the thread touches the batch again
+            # only once it has taken _cond
+            if not self._running and not self._pending and not self._cancels:
+                break
+            self._cond.release()
+            time.sleep(poll_s)
+        try:
+            yield
+        finally:
+            self._cond.release()
+
     def start(self) -> None:
         if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
             sys.setswitchinterval(self.switch_interval_s)

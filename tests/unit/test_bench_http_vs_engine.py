@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import tempfile
 import threading
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddtree.bench import http_vs_engine as hve
+from ddtree.bench.in_process import EngineChannel, measuring, write_plan
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, Scheduler
@@ -204,11 +204,22 @@ def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("where", ["same", "separate"])
 def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """Engine, streaming and plain clients on the same prompts, through a real server process; T = 0
-    outputs identical both ways (the exit status says so). "same": the in-process repeats come from the
-    server's engine process (its results file, written by another process than this one)."""
-    import os
-
+    outputs identical both ways (the exit status says so); the modes' repeats take turns. "same": each in-process
+    repeat is asked of the server's engine process."""
     monkeypatch.setenv("DDTREE_COMMIT", "pinned-for-the-test")
+    order: list[str] = []
+    real_client, real_measure = hve.run_client, EngineChannel.measure
+
+    def client(*args: object, **kwargs: object) -> object:
+        order.append("http")
+        return real_client(*args, **kwargs)
+
+    def measure(self: EngineChannel, index: int) -> dict:
+        order.append(f"engine {index}")
+        return real_measure(self, index)
+
+    monkeypatch.setattr(hve, "run_client", client)
+    monkeypatch.setattr(EngineChannel, "measure", measure)
     out = tmp_path / "new" / "hve.json"  # a folder that does not exist yet
     code = hve.main(["--engine", "emulated", "--configs", "ar", "--contexts", "60", "--concurrency", "1", "3",
                      "--requests", "3", "--repeats", "2", "--warmup", "1", "--max-new-tokens", "12",
@@ -218,20 +229,60 @@ def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.Mon
     rows = data["rows"]
     assert data["meta"]["commit"] == "pinned-for-the-test"  # DDTREE_COMMIT: a copied tree names its commit
     assert data["meta"]["in_process"] == where
-    results = out.parent / "engine-ar.json"
-    assert results.exists() == (where == "same")
-    if where == "same":
-        measured = json.loads(results.read_text())
-        assert measured["pid"] != os.getpid()
-        assert [(c["context"], c["concurrency"], len(c["repeats"])) for c in measured["cells"]] == [(60, 1, 2), (60, 3, 2)]
-        for row, cell in zip(rows, measured["cells"]):  # the row's in-process numbers are that process's
-            assert row["engine"]["round_ms"] == pytest.approx(statistics.median(r["round_ms"] for r in cell["repeats"]))
     assert [(r["context"], r["concurrency"]) for r in rows] == [(60, 1), (60, 3)]
     for row in rows:
         assert set(row["mismatched"].values()) == {0}
         for mode in ("engine", "stream", "plain"):
             assert row[mode]["failed"] == 0 and row[mode]["tok_per_s"] > 0
         assert row["stream"]["ttft_ms"] is not None and row["stream"]["ratio"] > 0
+        assert len(row["engine"]["tok_per_s_repeats"]) == 2
+    if where == "same":  # per cell: 2 warm-up clients, then engine, stream, plain twice
+        turn = ["engine {}", "http", "http"] * 2
+        assert order == ["http", "http", *[t.format(0) for t in turn], "http", "http", *[t.format(1) for t in turn]]
+    else:
+        assert not [o for o in order if o.startswith("engine")]
+
+
+def test_the_engine_process_measures_between_served_requests_and_keeps_serving(tmp_path: Path) -> None:
+    """measuring(): cells measured on request, each on the served batch with the scheduler paused; a bad request
+    is the bench's error, and the scheduler still serves after it."""
+    batch = hve.EmulatedBatch(AR, 4, 512, round_s=0.0005, prefill_s=0.0, tokens_per_round=1)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    address, key = write_plan(tmp_path / "plan.json", [(60, 2, prompts)], 5)
+    assert measuring(lambda *_: sched, tmp_path / "plan.json")(None, 512, None, None) is sched
+    sched.start()
+    channel = EngineChannel(address, key)
+    try:
+        rep = channel.measure(0)
+        assert [r.output_ids for r in rep["records"]] == [[(5, 6, 7)[(3 + i) % 3] for i in range(5)],
+                                                          [(8, 9, 10)[(3 + i) % 3] for i in range(5)]]
+        assert all(r.ok for r in rep["records"]) and rep["round_ms"] > 0
+        with pytest.raises(RuntimeError, match="IndexError"):
+            channel.measure(3)
+        done = threading.Event()
+        sched.submit(Request("served", [1, 2], 3, ignore_eos=True), lambda ev: ev.finished and done.set())
+        assert done.wait(10)
+        assert channel.measure(0)["records"][0].output_ids == rep["records"][0].output_ids
+    finally:
+        channel.close()
+        sched.stop()
+
+
+def test_a_paused_scheduler_runs_nothing_until_the_pause_ends() -> None:
+    batch = emulated(max_batch=2)
+    sched = Scheduler(batch, max_running=2, switch_interval_s=None)
+    sched.start()
+    done = threading.Event()
+    try:
+        with sched.paused():
+            sched.submit(Request("r", [1, 2], 3, ignore_eos=True), lambda ev: ev.finished and done.set())
+            assert not done.wait(0.2) and batch.active == 0  # queued, not admitted
+        assert done.wait(10)
+        with sched.paused():  # nothing runs or waits: the pause is taken at once
+            assert batch.active == 0
+    finally:
+        sched.stop()
 
 
 def test_rows_are_handed_over_cell_by_cell_and_logs_stay_out_of_the_cwd(tmp_path: Path,
@@ -306,16 +357,15 @@ def test_a_failed_in_process_measurement_stops_the_server_with_its_reason(tmp_pa
     import sys
 
     plan = tmp_path / "plan.json"
-    hve.write_plan(plan, [(60, 1, [[5, 6, 7]])], 1, 4)
+    hve.write_plan(plan, [(60, 1, [[5, 6, 7]])], 4)
     broken = json.loads(plan.read_text())
-    del broken["max_new_tokens"]  # read when the first cell runs
+    del broken["max_new_tokens"]
     plan.write_text(json.dumps(broken))
     target = hve.FIXTURES / "target"
     proc = subprocess.run(
         [sys.executable, "-m", "ddtree.bench.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
-         "--tokens-per-round", "1", "--engine-plan", str(plan), "--engine-results", str(tmp_path / "r.json"),
-         "--model-path", str(target), "--port", "0", "--device", "cpu"],
+         "--tokens-per-round", "1", "--engine-plan", str(plan), "--model-path", str(target), "--port", "0",
+         "--device", "cpu"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "the engine failed to start: KeyError: 'max_new_tokens'" in proc.stderr
-    assert not (tmp_path / "r.json").exists()
