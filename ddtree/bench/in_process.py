@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
@@ -172,7 +171,7 @@ def _answer(listener: Any, engine: Any, scheduler: Any, cells: list[dict[str, An
                     time.sleep(SETTLE_S)
                     (rep,) = measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"], max_new, 1,
                                           warm=False)
-                conn.send({"records": [asdict(r) for r in rep["records"]], "round_ms": rep["round_ms"]})
+                conn.send(rep)  # pickled: RequestRecords and all
             except Exception as err:  # the bench raises it; the server goes on serving
                 conn.send({"error": f"{type(err).__name__}: {err}"})
 
@@ -188,7 +187,7 @@ class EngineChannel:
         reply = self._conn.recv()
         if "error" in reply:
             raise RuntimeError(f"the engine process's in-process repeat failed: {reply['error']}")
-        return {"records": [RequestRecord(**r) for r in reply["records"]], "round_ms": reply["round_ms"]}
+        return reply
 
     def close(self) -> None:
         self._conn.close()
