@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -281,6 +282,19 @@ def test_drafter_card_says_fine_tuned_when_started_from_a_drafter(data_dir: Path
     assert "trained from scratch" not in card and f"fine-tuned from the drafter in `{tmp_path / 'a'}`" in card
 
 
+def assert_same_drafts(target: Any, want: Any, want_taps: list[int], got: Any, got_taps: list[int],
+                       block_size: int) -> None:
+    """`got` drafts what `want` does on the same ids and anchors, each fed the target's taps it reads."""
+    ids = torch.randint(2, target.config.vocab_size, (2, 40))
+    anchors = torch.tensor([[3, 17], [9, 30]])
+    with torch.no_grad():
+        _, taps_want = target.forward_train(ids, want_taps)
+        _, taps_got = target.forward_train(ids, got_taps)
+        expected = want.forward_train(taps_want, ids, anchors, block_size, 32)
+        actual = got.forward_train(taps_got, ids, anchors, block_size, 32)
+    assert torch.allclose(actual, expected, atol=1e-5)
+
+
 def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir: Path, target_dir: Path,
                                                                          tmp_path: Path) -> None:
     from dataclasses import replace
@@ -295,13 +309,8 @@ def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir
     shape = replace(TINY_DRAFTER, num_hidden_layers=3, block_size=8, target_layer_ids=small.config.target_layer_ids)
     big = init_drafter(shape.config(target.config), target, seed=1).to(torch.float32)
     assert init_from_drafter(big, small, "a") == [1, 2]
-    ids = torch.randint(2, target.config.vocab_size, (2, 40))
-    anchors = torch.tensor([[3, 17], [9, 30]])
-    with torch.no_grad():
-        _, taps = target.forward_train(ids, list(small.config.target_layer_ids))
-        want = small.forward_train(taps, ids, anchors, 8, 32)
-        got = big.forward_train(taps, ids, anchors, 8, 32)
-    assert torch.allclose(got, want, atol=1e-5)
+    taps = list(small.config.target_layer_ids)
+    assert_same_drafts(target, small, taps, big, taps, 8)
     assert big.layers[2].mlp.down_proj.weight.abs().sum() == 0 and big.layers[2].mlp.up_proj.weight.abs().sum() > 0
     # fewer layers, or another tap set, do not fit
     with pytest.raises(ConfigError, match="init_from: a does not fit.*fewer"):
@@ -337,14 +346,7 @@ def test_a_drafter_given_more_taps_starts_out_computing_what_it_did(data_dir: Pa
     assert init_from_drafter(wide, small, "a") == []
     d = target.config.hidden_size
     assert wide.fc.weight[:, :d].abs().sum() == 0 and torch.equal(wide.fc.weight[:, d:], small.fc.weight)
-    ids = torch.randint(2, target.config.vocab_size, (2, 40))
-    anchors = torch.tensor([[3, 17], [9, 30]])
-    with torch.no_grad():
-        _, taps_small = target.forward_train(ids, [old])
-        _, taps_wide = target.forward_train(ids, [extra, old])
-        want = small.forward_train(taps_small, ids, anchors, TINY_DRAFTER.block_size, 32)
-        got = wide.forward_train(taps_wide, ids, anchors, TINY_DRAFTER.block_size, 32)
-    assert torch.allclose(got, want, atol=1e-5)
+    assert_same_drafts(target, small, [old], wide, [extra, old], TINY_DRAFTER.block_size)
     with pytest.raises(ConfigError, match=r"target_layer_ids \[0, .*\] -> \[.*\] \(drops \[0\]\)"):
         init_from_drafter(small, wide, "a")
     summary = train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0),
@@ -373,13 +375,8 @@ def test_a_drafter_with_wider_mlps_starts_out_computing_what_the_narrower_one_do
     assert mlp.down_proj.weight.shape[1] == 3 * width and mlp.down_proj.weight[:, width:].abs().sum() == 0
     assert mlp.up_proj.weight[width:].abs().sum() > 0
     assert torch.equal(mlp.gate_proj.weight[:width], small.layers[0].mlp.gate_proj.weight)
-    ids = torch.randint(2, target.config.vocab_size, (2, 40))
-    anchors = torch.tensor([[3, 17], [9, 30]])
-    with torch.no_grad():
-        _, taps = target.forward_train(ids, list(small.config.target_layer_ids))
-        want = small.forward_train(taps, ids, anchors, TINY_DRAFTER.block_size, 32)
-        got = wide.forward_train(taps, ids, anchors, TINY_DRAFTER.block_size, 32)
-    assert torch.allclose(got, want, atol=1e-5)
+    taps = list(small.config.target_layer_ids)
+    assert_same_drafts(target, small, taps, wide, taps, TINY_DRAFTER.block_size)
     with pytest.raises(ConfigError, match=r"intermediate_size \d+ -> \d+ \(narrower\)"):
         init_from_drafter(small, wide, "a")
     summary = train_drafter(data_dir, target_dir, tmp_path / "b", tiny_opts(steps=1, eval_batches=0),
