@@ -259,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], help="requests in flight")
     p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]),
                    help="HTTP clients: stream (SSE, SGLang's cumulative chunks), plain (one JSON answer)")
-    p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(concurrency, 8))")
+    p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(waves x concurrency, 8))")
+    p.add_argument("--waves", type=int, default=1,
+                   help="without --requests: waves of `concurrency` requests a repeat (a C = 32 repeat of one wave "
+                        "is 0.1-0.25 s on the H200 fixture; more waves steady it, C = 1 keeps its 8)")
     p.add_argument("--client-processes", type=int, default=1,
                    help="HTTP client processes sharing each cell's concurrency (ddtree.bench.loadgen.client_pool)")
     p.add_argument("--repeats", type=int, default=3)
@@ -293,7 +296,7 @@ def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: flo
 
 def _check(args: argparse.Namespace) -> None:
     for flag, values in (("--contexts", args.contexts), ("--concurrency", args.concurrency),
-                         ("--repeats", [args.repeats]), ("--runs", [args.runs]),
+                         ("--repeats", [args.repeats]), ("--runs", [args.runs]), ("--waves", [args.waves]),
                          ("--max-new-tokens", [args.max_new_tokens]),
                          ("--max-running-requests", [args.max_running_requests]),
                          ("--tokens-per-round", [args.tokens_per_round])):
@@ -328,9 +331,12 @@ def _load_engine(args: argparse.Namespace) -> Any:
     return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
 
 
+def requests_per_repeat(args: argparse.Namespace, conc: int) -> int:
+    return args.requests or max(args.waves * conc, 8)
+
+
 def _timed(args: argparse.Namespace, prompts: list[list[int]], conc: int) -> list[list[int]]:
-    n = args.requests or max(conc, 8)
-    return prompts[args.warmup:args.warmup + n]
+    return prompts[args.warmup:args.warmup + requests_per_repeat(args, conc)]
 
 
 def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
@@ -346,7 +352,7 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
     same = args.in_process == "same"
     engine = None if same else _load_engine(args)
     codec = load_tokenizer(args.target)
-    n_max = max(args.requests or max(c, 8) for c in args.concurrency)
+    n_max = max(requests_per_repeat(args, c) for c in args.concurrency)
     prompts = {ctx: code_prompts(codec, ctx, n_max + args.warmup) for ctx in args.contexts}
     # the servers' logs (local-PORT.log): beside --out, else in a folder of their own (never the cwd)
     log_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-"))

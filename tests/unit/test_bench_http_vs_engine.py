@@ -199,6 +199,16 @@ def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str])
     assert hve.main(["--engine", "emulated", "--concurrency", "0"]) == 2
     assert "--concurrency" in capsys.readouterr().err
     assert hve.main(["--engine", "emulated", "--concurrency", "64", "--max-running-requests", "32"]) == 2
+    assert hve.main(["--engine", "emulated", "--waves", "0"]) == 2
+    assert "--waves" in capsys.readouterr().err
+
+
+def test_waves_lengthen_a_repeat_at_high_concurrency_only() -> None:
+    args = hve.build_parser().parse_args(["--engine", "emulated", "--waves", "3"])
+    assert [hve.requests_per_repeat(args, c) for c in (1, 8, 32)] == [8, 24, 96]
+    assert hve.requests_per_repeat(hve.build_parser().parse_args(["--engine", "emulated"]), 32) == 32
+    fixed = hve.build_parser().parse_args(["--engine", "emulated", "--waves", "3", "--requests", "5"])
+    assert hve.requests_per_repeat(fixed, 32) == 5
 
 
 @pytest.mark.parametrize("where", ["same", "separate"])
