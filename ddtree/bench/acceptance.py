@@ -75,20 +75,28 @@ def source_prompts(args: argparse.Namespace) -> list[list[int]]:
         raise SystemExit(f"--source-dir: {err}") from err
 
 
+def greedy_confidence(logprobs: list[float]) -> dict[str, float]:
+    """The target's probability of its own greedy choice along its path: how predictable what a drafter has to
+    guess is (a flat target caps any drafter's acceptance; a confident one leaves the gap to the drafter)."""
+    p = torch.tensor(logprobs, dtype=torch.float64).exp()
+    return {"median": p.median().item(), "mean": p.mean().item(), "share_over_0.9": (p > 0.9).double().mean().item()}
+
+
 def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
-            batch: int) -> dict:
+            batch: int, logprobs: bool = False) -> dict:
     engine.generate(prompts[0], 4, spec=spec, ignore_eos=True)  # warm-up, left out of the timing
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = []
     for i in range(0, len(prompts), batch):
-        out = engine.generate(prompts[i : i + batch], max_new_tokens, spec=spec, ignore_eos=True)
+        out = engine.generate(prompts[i : i + batch], max_new_tokens, spec=spec, ignore_eos=True,
+                              return_logprob=logprobs)
         results.extend(out)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
     rounds = sum(len(r.accept_lengths) for r in results)
-    return {
+    row = {
         "config_id": spec.id,
         "tau": sum(sum(r.accept_lengths) for r in results) / rounds if rounds else 1.0,
         "tokens": tokens,
@@ -96,6 +104,9 @@ def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_
         "tok_per_s": tokens / elapsed,
         "outputs": [r.token_ids for r in results],
     }
+    if logprobs:
+        row["greedy_p"] = greedy_confidence([lp for r in results for lp in r.logprobs])
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = source_prompts(args) if args.source_dir is not None else heldout_prompts(
         args.target, args.prompts, args.context, args.stdlib_root, args.per_file)
     engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
-    ar = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), args.max_new_tokens, args.batch)
+    ar = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), args.max_new_tokens, args.batch, logprobs=True)
     rows = [ar]
+    conf = ar["greedy_p"]
+    print(f"the target's probability of its greedy token: median {conf['median']:.3f}, mean {conf['mean']:.3f}, "
+          f"> 0.9 at {conf['share_over_0.9']:.0%} of {ar['tokens']} tokens")
     print(f"{'config':22} {'tau':>6} {'tok/s':>8} {'vs AR':>6}  lossless")
     print(f"{'ar':22} {1.0:6.2f} {ar['tok_per_s']:8.1f} {1.0:6.2f}  -")
     for config_id in args.configs:

@@ -74,3 +74,34 @@ def test_source_dir_cuts_the_prompts_from_that_folder(pair: tuple[Path, Path], m
         main(["--target", str(target), "--source-dir", str(root / "a"), "--prompts", "2", "--context", "50"])
     with pytest.raises(SystemExit, match="--source-dir: context_len x count"):
         main(["--target", str(target), "--source-dir", str(root), "--prompts", "5", "--context", "50"])
+
+
+def test_greedy_confidence_is_the_targets_own_probability_of_its_ar_tokens() -> None:
+    """The AR row's greedy_p: the target's softmax at each generated position, read back from a plain forward
+    over prompt + output, agrees with what the engine's log-probs summarize."""
+    import torch
+
+    from ddtree.bench.acceptance import greedy_confidence, measure
+    from ddtree.config import Algorithm, SpecConfig
+    from ddtree.engine import Engine
+    from ddtree.models.loading import load_target
+
+    assert greedy_confidence([0.0, -1.0, -0.01]) == pytest.approx(
+        {"median": 0.99005, "mean": (1 + 0.36788 + 0.99005) / 3, "share_over_0.9": 2 / 3}, rel=1e-4)
+    drafter = FIXTURE_TARGET.parent / "drafter"
+    engine = Engine.from_pretrained(FIXTURE_TARGET, drafter, device="cpu")
+    codec = load_tokenizer(FIXTURE_TARGET)
+    prompts = [codec.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"),  # type: ignore[union-attr]
+               codec.encode("import os\n\nfor name in os.listdir('.'):\n")]  # type: ignore[union-attr]
+    row = measure(engine, prompts, SpecConfig(algorithm=Algorithm.NONE), 12, 2, logprobs=True)
+    target = load_target(FIXTURE_TARGET, device="cpu", dtype=torch.float32)
+    probs = []
+    for prompt, out in zip(prompts, row["outputs"], strict=True):
+        with torch.no_grad():
+            logits, _ = target.forward_train(torch.tensor([prompt + out]))
+        p = logits[0, len(prompt) - 1 : -1].softmax(-1)
+        assert p.argmax(-1).tolist() == out  # greedy
+        probs += p.max(-1).values.tolist()
+    expected = torch.tensor(probs, dtype=torch.float64)
+    assert row["greedy_p"]["mean"] == pytest.approx(expected.mean().item(), abs=1e-4)
+    assert row["greedy_p"]["median"] == pytest.approx(expected.median().item(), abs=1e-4)
