@@ -5,7 +5,8 @@
 
 Prompts are cut from the held-out code files (the target's training manifest names them) to an
 exact token length; every config runs on the same prompts with the same engine, and each output is
-checked against AR's (lossless at T = 0). Prints one line per config and can write JSON.
+checked against AR's (lossless at T = 0). Prints how certain the target is of its own greedy tokens along
+AR's path (their probabilities, from the engine's log-probs), then one line per config, and can write JSON.
 """
 
 from __future__ import annotations
