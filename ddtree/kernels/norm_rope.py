@@ -302,6 +302,18 @@ def norm_rope_write(
     v_out[rows, :, slots] = v
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+              k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
+              v_out: torch.Tensor, slots: torch.Tensor) -> tuple[int, int, int, int]:
+    """norm_rope_qkv's argument checks (shapes, dtypes, devices; both norms or neither): (bs, n, q_heads, d)."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("norm_rope_qkv: q_weight and k_weight must both be given or both be None")
+    shape = _check_inputs(q, q_weight, cos, sin)
+    _check_inputs(k, k_weight, cos, sin)  # the same cos/sin: q and k share bs, n and head_dim
+    _check_write(k, v, k_out, v_out, slots)
+    return shape
+
+
 def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                   k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor,
@@ -314,11 +326,7 @@ def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"norm_rope_qkv: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("norm_rope_qkv: q_weight and k_weight must both be given or both be None")
-    bs, n, q_heads, d = _check_inputs(q, q_weight, cos, sin)
-    _check_inputs(k, k_weight, cos, sin)  # the same cos/sin: q and k share bs, n and head_dim
-    _check_write(k, v, k_out, v_out, slots)
+    bs, n, q_heads, d = check_qkv(q, k, v, q_weight, k_weight, cos, sin, k_out, v_out, slots)
     grad = _needs_grad(q, k, v, q_weight, k_weight, cos, sin)
     use_kernel = backend == "triton" or (backend == "auto" and q.is_cuda and triton is not None and not grad)
     if not use_kernel:
@@ -332,20 +340,4 @@ def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     if q_out.numel() == 0:
         return q_out
     _launch_qkv(q, q_weight, q_out, k, v, k_weight, eps, cos, sin, k_out, v_out, slots)
-    return q_out
-    kv_heads = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(d))
-    block_h = min(triton.next_power_of_2(kv_heads), max(1, _TILE // block_d))
-    block_hq = min(triton.next_power_of_2(q_heads), max(1, _TILE // block_d))
-    k_blocks = triton.cdiv(kv_heads, block_h)
-    grid = (bs * n, k_blocks + triton.cdiv(q_heads, block_hq))
-    _norm_rope_qkv_kernel[grid](
-        q, q_weight if q_weight is not None else q, q_out, k, k_weight if k_weight is not None else k, cos, sin,
-        k_out, v, v_out, slots, n, q_heads, kv_heads, eps, k_out.shape[2], k_blocks,
-        *q.stride(), *q_out.stride(), *k.stride(),
-        cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
-        *k_out.stride(), *v.stride(), *v_out.stride(), *slots.stride(),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_HQ=block_hq, BLOCK_D=block_d, HAS_WEIGHT=q_weight is not None,
-        num_warps=4 if max(block_h, block_hq) * block_d <= 2048 else 8,
-    )
     return q_out
