@@ -203,8 +203,16 @@ def test_choose_tiles_follows_the_h200_sweep(monkeypatch: pytest.MonkeyPatch) ->
     assert (down.block_k, down.split) == (128, 5) and 32 * down.split >= sms
     small_k = choose_tiles(1, 1024, 1024, False, cuda)  # splits keep >= 4 loads of 128
     assert small_k.split == 2
-    glu = choose_tiles(9, 4096, 12288, True, cuda)  # a SwiGLU program reads gate and up rows: loads of 128
-    assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)
+    glu = choose_tiles(9, 2048, 6144, True, cuda)  # a SwiGLU program reads gate and up rows: loads of 128
+    assert (glu.block_n, glu.block_k, glu.split) == (64, 128, 1)  # 1b's gate/up: 96 blocks, one wave
+    # 8b's gate/up: 192 blocks of 64 rows are a wave and a part-empty one; 96 of 128 rows are one wave
+    wide = choose_tiles(1, 4096, 12288, True, cuda)
+    assert (wide.block_n, wide.block_k, wide.split, wide.stages) == (128, 128, 1, 3)
+    assert choose_tiles(16, 4096, 12288, True, cuda) == wide, "rows 1 to 16 take the same tiles (rows alike)"
+    assert choose_tiles(1, 4096, 12288, True, cuda, itemsize=4).block_n == 64, "measured for 16 bits only"
+    assert choose_tiles(17, 4096, 12288, True, cuda).block_n == 64, "past the route's 16 rows"
+    assert choose_tiles(1, 4096, 20000, True, cuda).block_n == 64, "past two waves the tail is a small share"
+    assert choose_tiles(1, 4096, 12288, False, cuda).block_n == 64, "measured for SwiGLU only"
     short = choose_tiles(1, 512, 8192, False, cuda)  # under four loads of 256: loads of 128
     assert short.block_k == 128
     # four stages of the tiles must fit in shared memory: float32 and many rows take shorter loads
@@ -442,6 +450,7 @@ H200_SHARED_BYTES = 232448  # the most shared memory a block may take on an H200
 @pytest.mark.parametrize(("rows", "k", "n", "swiglu", "dtype", "epilogue"), [
     (1, 4096, 6144, False, "bf16", {"HAS_NORM": True}),  # 8b q/k/v
     (16, 4096, 12288, True, "bf16", {"HAS_NORM": True}),  # 8b gate/up at the route's most rows
+    (1, 4096, 12288, True, "bf16", {"HAS_SUMS": True, "SUM_PARTS": 64}),  # the same, folded
     (9, 12288, 4096, False, "bf16", {"HAS_RES": True}),  # 8b down
     (1, 6144, 2048, False, "bf16", {}),  # 1b down: split K
     (64, 4096, 6144, False, "bf16", {}),  # the kernel's most rows
