@@ -72,6 +72,8 @@ SKINNY_TILINGS: list[Tiles | None] = [None]
 SKINNY_SWEEP: list[Tiles] = [Tiles(block_n=bn, block_k=bk, split=sp, stages=st, warps=4)
                              for bn in (32, 64, 128) for bk in (128, 256) for sp in (1, 2, 4, 8) for st in (4,)]
 SKINNY_SWEEP += [Tiles(block_n=64, block_k=128, split=sp, stages=st, warps=4) for sp in (2, 4) for st in (3, 6)]
+SKINNY_SWEEP += [Tiles(block_n=bn, block_k=bk, split=sp, stages=st, warps=w)
+                 for bn, bk in ((64, 256), (128, 128)) for sp in (1, 2, 3) for st in (3, 5) for w in (4, 8)]
 L2_MISS_BYTES = 256 << 20  # weight copies per GEMM timing add up to at least this (the H200's L2 is 60 MB)
 TREE_CONFIGS = ["b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b16-k4-w2048-bs8", "b32-k8-w2048-bs8", "b64-k8-w2048-bs8"]
 
@@ -537,7 +539,7 @@ def _peer_into(part: dict[str, Any], shape: str, device: torch.device, dtype: to
 
 def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Namespace, shape: str) -> None:
     if name == "gemm":
-        part["gemm"] = gemm_bench(engine, part["bandwidth"])
+        part["gemm"] = gemm_bench(engine, part["bandwidth"], rows=tuple(args.gemm_rows))
     elif name == "forward":
         profiled = [args.default_variant, "torch ops"] if "torch ops" in args.variants else [args.default_variant]
         part["forward"] = forward_part(engine, args.context, args.batches, args.variants, profiled)
@@ -578,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a static cache on CUDA; minutes of compiling at 8b)")
     p.add_argument("--skinny-sweep", action="store_true",
                    help="time the skinny kernel at every SKINNY_SWEEP tiling in the gemm part (a tuning run)")
+    p.add_argument("--gemm-rows", nargs="+", type=int, default=[1, 9, 32],
+                   help="the row counts the gemm part times each projection at")
     p.add_argument("--out-dir", type=Path, default=Path("real_width"))
     return p
 
