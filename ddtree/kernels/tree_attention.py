@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from ddtree.kernels.bitmask import as_words, unpack_bitmask
-from ddtree.kernels.norm_rope import check_qkv, norm_rope_qkv
 
 try:  # Triton is optional: CPU machines use the reference (or the interpreter, in tests)
     import triton
@@ -32,18 +30,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 Backend = Literal["auto", "triton", "reference"]
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """What norm_rope does to a layer's raw q and k before attention: per-head RMSNorm by q_weight/k_weight
-    (both None: no norm) with eps, then rotate-half RoPE by cos/sin [bs, 1, n, d] in q's dtype."""
-
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 MAX_TREE_NODES = 256  # 4 bitmask words per row; larger trees would need more registers than they save
 _BLOCK_N = 64  # prefix keys per tile
@@ -171,31 +157,9 @@ if triton is not None:
             return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _norm_rotate(x, base, s_d, W, C, c_d, S, s_d2, ok, dims, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-        # rows x[R, BLOCK_D] (loaded from base + dims * s_d) -> RoPE(RMSNorm(x) * W) in float32, with
-        # norm_rope's roundings: normalise in float32, round to x's dtype, scale, round again; the rotation's
-        # partner d +- d/2 is loaded a second time. C/S point at each row's cos/sin (its position)
-        half: tl.constexpr = HEAD_DIM // 2
-        first = dims < half
-        partner = tl.where(first, dims + half, dims - half)
-        mask = ok[:, None] & (dims < HEAD_DIM)[None, :]
-        dt = x.dtype
-        xf = x.to(tl.float32)
-        xp = tl.load(base + partner[None, :] * s_d, mask=mask, other=0.0).to(tl.float32)
-        if QK_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
-            w = tl.load(W + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
-            wp = tl.load(W + partner, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
-            xf = (w[None, :] * (xf * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xp = (wp[None, :] * (xp * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        c = tl.load(C + dims[None, :] * c_d, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(S + dims[None, :] * s_d2, mask=mask, other=0.0).to(tl.float32)
-        return xf * c + tl.where(first[None, :], -xp, xp) * s
-
-    @triton.jit
     def _tree_attn_fwd(
-        Q, K, V, KT, VT, LENS, BITS, OUT, PM, PL, PACC, WQ, WK, COS, SIN,
-        qk_scale, n_tree, n_rows, n_kv_heads, norm_eps, n_slots,
+        Q, K, V, KT, VT, LENS, BITS, OUT, PM, PL, PACC,
+        qk_scale, n_tree, n_rows, n_kv_heads,
         sq_b, sq_h, sq_n, sq_d,
         sk_b, sk_h, sk_s, sk_d,
         sv_b, sv_h, sv_s, sv_d,
@@ -203,15 +167,11 @@ if triton is not None:
         svt_b, svt_h, svt_s, svt_d,
         sbit_b, sbit_n, sbit_w,
         so_b, so_h, so_n, so_d,
-        sc_b, sc_n, sc_d, ss_b, ss_n, ss_d,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         N_TREE_TILES: tl.constexpr, SPLITS: tl.constexpr, TREE_IN_CACHE: tl.constexpr,
-        FP32_DOT: tl.constexpr, TF32: tl.constexpr, ROTATE: tl.constexpr = False, QK_NORM: tl.constexpr = False,
+        FP32_DOT: tl.constexpr, TF32: tl.constexpr,
     ):
-        # ROTATE: Q, KT and VT are a projection's raw q/k/v; q and the tree's keys are normed and rotated here
-        # (norm_rope's arithmetic), and the tree's keys and values are written into the cache at
-        # LENS[b] + node by split 0, which is the only program that reads them
         # program = (request b, kv head hk) x block of query rows x prefix split
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -226,12 +186,8 @@ if triton is not None:
         node = rows % n_tree
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < HEAD_DIM
-        q_base = Q + b * sq_b + (hk * GROUP + g)[:, None] * sq_h + node[:, None] * sq_n
-        q = tl.load(q_base + dims[None, :] * sq_d, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        if ROTATE:
-            q = _norm_rotate(q, q_base, sq_d, WQ, COS + b * sc_b + node[:, None] * sc_n, sc_d,
-                             SIN + b * ss_b + node[:, None] * ss_n, ss_d, row_ok, dims, norm_eps,
-                             HEAD_DIM, QK_NORM).to(Q.dtype.element_ty)
+        q_ptrs = Q + b * sq_b + (hk * GROUP + g)[:, None] * sq_h + node[:, None] * sq_n + dims[None, :] * sq_d
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         if FP32_DOT:
             q = q.to(tl.float32)
 
@@ -282,15 +238,6 @@ if triton is not None:
                 kv_mask = col_ok[:, None] & dim_ok[None, :]
                 k = tl.load(kt_base + cols[:, None] * skt_s + dims[None, :] * skt_d, mask=kv_mask, other=0.0)
                 v = tl.load(vt_base + cols[:, None] * svt_s + dims[None, :] * svt_d, mask=kv_mask, other=0.0)
-                if ROTATE:  # the tree's keys normed and rotated, then both into the cache at LENS[b] + node
-                    k = _norm_rotate(k, kt_base + cols[:, None] * skt_s, skt_d, WK,
-                                     COS + b * sc_b + cols[:, None] * sc_n, sc_d,
-                                     SIN + b * ss_b + cols[:, None] * ss_n, ss_d, col_ok, dims, norm_eps,
-                                     HEAD_DIM, QK_NORM).to(K.dtype.element_ty)
-                    slot = (cache_len + cols).to(tl.int64)
-                    put = kv_mask & (slot < n_slots)[:, None]  # a slot past the cache is dropped, as norm_rope_write
-                    tl.store(k_base + slot[:, None] * sk_s + dims[None, :] * sk_d, k, mask=put)
-                    tl.store(v_base + slot[:, None] * sv_s + dims[None, :] * sv_d, v, mask=put)
                 # a tile never straddles a word: BLOCK_T divides 64
                 word_at = (w * BLOCK_T) // 64
                 word = tl.load(BITS + b * sbit_b + node * sbit_n + word_at * sbit_w, mask=row_ok, other=0)  # [BLOCK_M]
@@ -404,7 +351,6 @@ def tree_attention_triton(
     block_t: int | None = None,
     num_warps: int | None = None,
     tf32: bool = False,
-    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """The Triton path of `tree_attention` (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
@@ -413,8 +359,6 @@ def tree_attention_triton(
     program), block_t (tree keys per tile, a power of two 16..64) and num_warps override the choices made
     from the shapes (for tuning runs). tf32: float32 inputs multiply in TF32 instead of IEEE float32 (about
     1.7x faster at decode shapes on the H200, ~3e-4 off; for callers whose numbers only steer, the drafter).
-    rotation: q, k_new and v_new are raw projections to norm and rotate here, k/v written into the cache
-    (tree_attention_qkv's kernel path; its checks come first).
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton: triton is not installed (pip install 'triton>=3.0')")
@@ -425,8 +369,6 @@ def tree_attention_triton(
     group = hq // hkv
     words = as_words(tree_bitmask, n)  # [bs, n, W] (a view)
     tree_in_cache = k_new is None
-    if rotation is not None and tree_in_cache:
-        raise ValueError("tree_attention: a rotation needs the raw k_new/v_new it writes into the cache")
     kt, vt = (k_cache, v_cache) if k_new is None or v_new is None else (k_new, v_new)
     if out is None:
         out = torch.empty_like(q)
@@ -443,8 +385,7 @@ def tree_attention_triton(
         raise ValueError(f"tree_attention: block_t must be 16, 32 or 64 (a tile within one bitmask word), got {block_t}")
     block_d = max(16, triton.next_power_of_2(d))
     row_blocks = triton.cdiv(n_rows, block_m)
-    # a rotation's tree rows land in the cache, as the in-cache call it replaces reads them: the same splits
-    prefix_max = max_len - n if tree_in_cache or rotation is not None else max_len
+    prefix_max = max_len - n if tree_in_cache else max_len
     if splits is None:
         splits = choose_splits(bs * hkv * row_blocks, prefix_max, q.device)
     if splits < 1:
@@ -457,19 +398,14 @@ def tree_attention_triton(
     else:
         pm = pl = pacc = out  # unused
     num_warps = num_warps or (4 if block_m * block_d <= 64 * 64 else 8)
-    rot = rotation or Rotation(None, None, 0.0, q, q)  # placeholders: nothing is read without ROTATE
-    cos, sin = rot.cos, rot.sin
     _tree_attn_fwd[grid](
         q, k_cache, v_cache, kt, vt, cache_lens, words, out, pm, pl, pacc,
-        rot.q_weight if rot.q_weight is not None else q, rot.k_weight if rot.k_weight is not None else q, cos, sin,
-        scale * 1.4426950408889634, n, n_rows, hkv, rot.eps, max_len,
+        scale * 1.4426950408889634, n, n_rows, hkv,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *kt.stride(), *vt.stride(),
         *words.stride(), *out.stride(),
-        cos.stride(0), cos.stride(2), cos.stride(3), sin.stride(0), sin.stride(2), sin.stride(3),
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_T=block_t, BLOCK_D=block_d,
         N_TREE_TILES=triton.cdiv(n, block_t), SPLITS=splits, TREE_IN_CACHE=tree_in_cache, FP32_DOT=fp32_dot,
-        TF32=tf32, ROTATE=rotation is not None, QK_NORM=rot.q_weight is not None,
-        num_warps=num_warps, num_stages=2,
+        TF32=tf32, num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
         _tree_attn_merge[(bs * hkv, n_rows)](
@@ -517,40 +453,3 @@ def tree_attention(
                                      tf32=tf32)
     result = tree_attention_reference(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_bitmask, scale)
     return result if out is None else out.copy_(result)
-
-
-def tree_attention_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rotation: Rotation,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_lens: torch.Tensor,
-    tree_bitmask: torch.Tensor,
-    scale: float,
-    backend: Backend = "auto",
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A layer's attention from its raw projections: `norm_rope_qkv` (q and k normed and rotated, k/v written
-    into the cache at slots cache_lens[b] + j), then `tree_attention` over the cache, in one kernel launch (and
-    the split-KV merge) instead of two: each program rotates its own query rows, and split 0, the one program
-    that reads the tree's keys, rotates them and writes them with the values.
-
-    q[bs, n, Hq, d], k/v[bs, n, Hkv, d] (any strides, e.g. column slices of one q/k/v GEMM); k_cache/v_cache
-    [bs, Hkv, max_len, d], the layer's whole cache; the rest as `tree_attention`. Writes to slots past max_len
-    are dropped, as norm_rope_write drops them. The reference backend is the two calls' references.
-    """
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"tree_attention_qkv: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    slots = cache_lens[:, None] + torch.arange(q.shape[1], device=cache_lens.device)
-    r = rotation
-    check_qkv(q, k, v, r.q_weight, r.k_weight, r.cos, r.sin, k_cache, v_cache, slots)
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton is not None)
-    if not use_triton:
-        q_rot = norm_rope_qkv(q, k, v, r.q_weight, r.k_weight, r.eps, r.cos, r.sin, k_cache, v_cache, slots,
-                              backend="reference")
-        return tree_attention(q_rot, k_cache, v_cache, cache_lens, None, None, tree_bitmask, scale,
-                              backend="reference", out=out)
-    return tree_attention_triton(q.transpose(1, 2), k_cache, v_cache, cache_lens, k.transpose(1, 2),
-                                 v.transpose(1, 2), tree_bitmask, scale, out=out, rotation=rotation)

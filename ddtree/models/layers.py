@@ -8,7 +8,6 @@ Projections that read the same input can be fused into one GEMM for inference (`
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +19,6 @@ from ddtree.kernels.fused_linear import REAL_WIDTH
 from ddtree.kernels.norm_rope import norm_rope, norm_rope_qkv, norm_rope_write
 from ddtree.kernels.residual_norm import silu_mul
 from ddtree.kernels.skinny_gemm import MAX_ROWS, Tiles, folded_linear_reference, skinny_linear
-from ddtree.kernels.tree_attention import Rotation, tree_attention_qkv
 
 # Inference linears of at most this many rows (bias-free, 16-bit, CUDA, K >= SKINNY_MIN_K) run
 # ddtree.kernels.skinny_gemm's Triton kernel instead of cuBLAS, a gate/up GEMM with SwiGLU's product in the
@@ -30,9 +28,6 @@ from ddtree.kernels.tree_attention import Rotation, tree_attention_qkv
 GEMV_MAX_ROWS = 16
 GEMV_TILES: Tiles | None = None
 SKINNY_MIN_K = REAL_WIDTH  # below a real model's width a GEMM is a few us of launch either way
-# The Triton tree attention rotates q and the new keys itself and writes the cache (GQAProjections.attend_tree):
-# a layer launches no norm_rope kernel. Off: the two launches (for comparisons; DDTREE_ROTATE_IN_ATTENTION=0).
-ROTATE_IN_ATTENTION = os.environ.get("DDTREE_ROTATE_IN_ATTENTION", "1") != "0"
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -316,26 +311,6 @@ class GQAProjections(nn.Module):
         # the q rotation and the k/v cache write in one launch (ddtree.kernels.norm_rope.norm_rope_qkv)
         return norm_rope_qkv(q.view(bs, n, self.n_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
                              qw, kw, self.eps, cos, sin, k_out, v_out, slots)
-
-    def rotate_in_attention(self) -> bool:
-        """Whether `attend_tree` runs the q/k rotation inside the attention kernel: a live fused q/k/v GEMM, and
-        both q/k norms or neither (ROTATE_IN_ATTENTION off: the two launches, for comparisons)."""
-        return ROTATE_IN_ATTENTION and self._fused() is not None and (self.q_norm is None) == (self.k_norm is None)
-
-    def attend_tree(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, lengths: torch.Tensor, bitmask: torch.Tensor,
-                    norm: RMSNorm | FoldedNorm | None = None) -> torch.Tensor:
-        """`qkv_into` at slots lengths[b] + j, then the Triton tree attention over the whole cache layer
-        k_cache/v_cache[bs, KV, S, d], in one launch (ddtree.kernels.tree_attention.tree_attention_qkv; needs
-        rotate_in_attention()). Returns o[bs, H, n, d] laid out as `out_buffer` makes it."""
-        q, k, v = self._fused()(x, norm=norm)
-        bs, n, _ = q.shape
-        heads = (bs, n, -1, self.head_dim)
-        rotation = Rotation(None if self.q_norm is None else self.q_norm.weight,
-                            None if self.k_norm is None else self.k_norm.weight, self.eps, cos, sin)
-        out = q.new_empty(bs, n, self.n_heads, self.head_dim).transpose(1, 2)
-        return tree_attention_qkv(q.view(heads), k.view(heads), v.view(heads), rotation, k_cache, v_cache, lengths,
-                                  bitmask, self.head_dim ** -0.5, backend="triton", out=out)
 
     def key_value_into(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
                        v_out: torch.Tensor, slots: torch.Tensor) -> None:

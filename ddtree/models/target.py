@@ -262,7 +262,8 @@ class Target(nn.Module):
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
                 folded = FoldedNorm(sums, layer.input_layernorm.eps)
-                o = self._qkv_attend(i, attn, x, cos, sin, cache, slots, kv_len, mask, bitmask, backend, folded)
+                q = attn.qkv_into(x, cos, sin, cache.k[i], cache.v[i], slots, norm=folded)
+                o = self._attend(i, attn, q, cache, kv_len, mask, bitmask, backend)
                 x, sums = attn.out(o, residual=x, return_sums=True)
                 folded = FoldedNorm(sums, layer.post_attention_layernorm.eps)
                 x, sums = layer.mlp(x, norm=folded, residual=x, return_sums=True)
@@ -275,8 +276,8 @@ class Target(nn.Module):
             # epilogue (ddtree.kernels.skinny_gemm), four GEMM launches a layer and no separate add + norm
             for i, layer in enumerate(layers):
                 attn = layer.self_attn
-                o = self._qkv_attend(i, attn, x, cos, sin, cache, slots, kv_len, mask, bitmask, backend,
-                                     layer.input_layernorm)
+                q = attn.qkv_into(x, cos, sin, cache.k[i], cache.v[i], slots, norm=layer.input_layernorm)
+                o = self._attend(i, attn, q, cache, kv_len, mask, bitmask, backend)
                 x = attn.out(o, residual=x)
                 x = layer.mlp(x, norm=layer.post_attention_layernorm, residual=x)
                 if i in wanted:
@@ -299,8 +300,8 @@ class Target(nn.Module):
 
         x, h = add_rms_norm(x, None, weight(norms[0]), norms[0].eps)
         for i, layer in enumerate(layers):
-            # K/V land in the cache
-            o = self._qkv_attend(i, layer.self_attn, h, cos, sin, cache, slots, kv_len, mask, bitmask, backend)
+            q = layer.self_attn.qkv_into(h, cos, sin, cache.k[i], cache.v[i], slots)  # K/V land in the cache
+            o = self._attend(i, layer.self_attn, q, cache, kv_len, mask, bitmask, backend)
             post = layer.post_attention_layernorm
             x, h = add_rms_norm(x, layer.self_attn.out(o), weight(post), post.eps)
             x, h = add_rms_norm(x, layer.mlp(h), weight(norms[i + 1]), norms[i + 1].eps)
@@ -319,18 +320,6 @@ class Target(nn.Module):
         if qkv is None or gate_up is None or not skinny_route(x, qkv.weight):  # off (the default): one look
             return False
         return qkv.bias is None and gate_up.bias is None and qkv.live and gate_up.live
-
-    @classmethod
-    def _qkv_attend(cls, i: int, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    cache: KVCache, slots: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
-                    bitmask: torch.Tensor | None, backend: Literal["triton", "reference"],
-                    norm: RMSNorm | FoldedNorm | None = None) -> torch.Tensor:
-        """Layer i's q/k/v of norm(x), K/V written at slots, and its attention: one kernel for the rotation and
-        the attention on the Triton path where the layer allows it (GQAProjections.rotate_in_attention)."""
-        if bitmask is not None and backend == "triton" and attn.rotate_in_attention():
-            return attn.attend_tree(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, bitmask, norm=norm)
-        q = attn.qkv_into(x, cos, sin, cache.k[i], cache.v[i], slots, norm=norm)
-        return cls._attend(i, attn, q, cache, kv_len, mask, bitmask, backend)
 
     @staticmethod
     def _attend(i: int, attn: Attention, q: torch.Tensor, cache: KVCache, kv_len: int, mask: torch.Tensor | None,
