@@ -302,18 +302,6 @@ def norm_rope_write(
     v_out[rows, :, slots] = v
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-              k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, k_out: torch.Tensor,
-              v_out: torch.Tensor, slots: torch.Tensor) -> tuple[int, int, int, int]:
-    """norm_rope_qkv's argument checks (shapes, dtypes, devices; both norms or neither): (bs, n, q_heads, d)."""
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("norm_rope_qkv: q_weight and k_weight must both be given or both be None")
-    shape = _check_inputs(q, q_weight, cos, sin)
-    _check_inputs(k, k_weight, cos, sin)  # the same cos/sin: q and k share bs, n and head_dim
-    _check_write(k, v, k_out, v_out, slots)
-    return shape
-
-
 def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                   k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                   k_out: torch.Tensor, v_out: torch.Tensor, slots: torch.Tensor,
@@ -326,7 +314,11 @@ def norm_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"norm_rope_qkv: backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    bs, n, q_heads, d = check_qkv(q, k, v, q_weight, k_weight, cos, sin, k_out, v_out, slots)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("norm_rope_qkv: q_weight and k_weight must both be given or both be None")
+    bs, n, q_heads, d = _check_inputs(q, q_weight, cos, sin)
+    _check_inputs(k, k_weight, cos, sin)  # the same cos/sin: q and k share bs, n and head_dim
+    _check_write(k, v, k_out, v_out, slots)
     grad = _needs_grad(q, k, v, q_weight, k_weight, cos, sin)
     use_kernel = backend == "triton" or (backend == "auto" and q.is_cuda and triton is not None and not grad)
     if not use_kernel:
