@@ -18,6 +18,14 @@ with the tokens, one round in CHOOSE_EVERY (the rounds between build and verify 
 budget's round does). `step()` is `launch()` then `collect()`: a caller with host work of its own (the
 server's scheduler) does it between the two, while the device runs the round.
 
+`step()` also runs ahead (`run_ahead`): while no row can reach its max_new_tokens in the round being
+collected, it launches the next round before reading this one's tokens, so the device goes from one round to
+the next without waiting for the host's bookkeeping between them. Every round input lives on the device, so
+the round ahead is the round that would have run. When a row stops on a stop token in the collected round,
+step() also collects the round ahead and returns its outputs after this round's (the stopped row's dropped:
+its extra round is discarded, like a padding row's); otherwise the round ahead is the next step()'s round.
+A round ahead must be taken back (`settle()`) before requests join or leave.
+
 On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as one CUDA graph,
 rows padded to a captured bucket, and steps 2, 3 and 5 are one Triton kernel each (ddtree.kernels.tree_ops);
 elsewhere the same stage functions run eagerly on ddtree.tree's torch code. Either way the tokens committed
@@ -61,6 +69,19 @@ def _no_round() -> Generator[None, None, list[StepOutput]]:
     return []
 
 
+def _finish(round_: Generator[None, None, list[StepOutput]]) -> list[StepOutput]:
+    """Run a launched round's host part (it reads the round's tokens): its outputs."""
+    try:
+        next(round_)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a round yields once")  # pragma: no cover
+
+
+def _as_lists(host: list[torch.Tensor]) -> tuple[list[Any], list[Any] | None]:
+    return host[0].tolist(), (host[1].tolist() if len(host) > 1 else None)
+
+
 class BatchEngine(Protocol):
     """What a batch needs of its engine (ddtree.engine.Engine)."""
 
@@ -83,8 +104,9 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
 
     def __init__(self, engine: BatchEngine, spec: SpecConfig, max_batch: int, max_len: int, profile: bool = True,
                  prefill_tokens: int = PREFILL_TOKENS,
-                 graph_cache: Callable[[torch.device], GraphCache] | None = None):
-        """graph_cache: makes the batch's graph cache (None: the rounds run eagerly)."""
+                 graph_cache: Callable[[torch.device], GraphCache] | None = None, run_ahead: bool = True):
+        """graph_cache: makes the batch's graph cache (None: the rounds run eagerly). run_ahead: step() may
+        launch the next round before reading this one's tokens (never with budget auto or a profiling timer)."""
         engine.check_spec(spec)
         if max_batch < 1:
             raise ConfigError(f"max_batch: {max_batch} is out of range (allowed >= 1)")
@@ -116,6 +138,10 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         # the first m rows of the cache and the context, by m (views: a round reuses them, not rebuilds them)
         self._views: dict[int, tuple[KVCache, DraftContext | None]] = {}
         self._launched: Generator[None, None, list[StepOutput]] | None = None  # launch() to collect()
+        self.run_ahead = run_ahead
+        self._ahead: Generator[None, None, list[StepOutput]] | None = None  # step()'s round launched ahead
+        self._in_flight = 0  # tokens a row may commit in rounds launched but not collected (host bounds)
+        self.rounds_run_ahead = 0  # rounds step() launched before reading the previous round's tokens
         # Per-slot device state (rows 0..n-1 are live).
         self.bonus = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.temps = torch.zeros(max_batch, dtype=torch.float32, device=self.device)
@@ -172,8 +198,21 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One round for every running request."""
-        self._launch()
+        """One round for every running request (two when a round launched ahead had to be collected with it:
+        see the module's doc); finished requests leave the batch."""
+        if self._ahead is not None:
+            self._launched, self._ahead = self._ahead, None
+        else:
+            self._launch()
+        return self._collect(run_ahead=self.run_ahead)
+
+    @torch.inference_mode()
+    def settle(self) -> list[StepOutput]:
+        """Collect the round step() launched ahead, if any (its outputs; finished requests leave the batch):
+        afterwards requests may join or leave."""
+        if self._ahead is None:
+            return []
+        self._launched, self._ahead = self._ahead, None
         return self._collect()
 
     @torch.inference_mode()
@@ -194,6 +233,8 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
     def _launch(self) -> None:
         if self._launched is not None:
             raise RuntimeError("a round is already launched: collect it first")
+        if self._ahead is not None:
+            raise RuntimeError("step() launched a round ahead: settle() first")
         if not self.rows:
             launched = _no_round()
         else:
@@ -201,23 +242,57 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         next(launched)  # runs up to the round's host read of its tokens (a round that raises is not launched)
         self._launched = launched
 
-    def _collect(self) -> list[StepOutput]:
+    def _collect(self, run_ahead: bool = False) -> list[StepOutput]:
         launched, self._launched = self._launched, None
         if launched is None:
             raise RuntimeError("no round launched")
+        ahead = self._launch_ahead() if run_ahead and self._may_run_ahead() else None
+        outputs = _finish(launched)
+        if ahead is not None:
+            stopped = {o.request_id for o in outputs if o.finished}
+            if not stopped:
+                self._ahead = ahead
+                return outputs  # nobody finished: nobody leaves
+            # a stop token: the round ahead ran for a row that has finished; collect it now so the row can
+            # leave with nothing in flight (its outputs for the stopped rows are the discarded extra round)
+            outputs += [o for o in _finish(ahead) if o.request_id not in stopped]
+        return self._retire_finished(outputs)
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the next round may be launched before the launched one is read: a fixed tree size (budget
+        auto reads its next size back with the tokens), no per-stage profiling, and no row that the launched
+        round may finish by length (its max_new_tokens), so only a stop token can end a row's rounds early.
+        Then a round ahead starts below each row's prompt + max_new_tokens, which validate() keeps in room."""
+        if self.timer.sync or self.cost_model is not None or not self.rows:
+            return False
+        most = self.spec.block_size if self.spec.speculative else 1  # tokens a round commits for a row, at most
+        return all(row.request.max_new_tokens - len(row.output) > most for row in self.rows)
+
+    def _launch_ahead(self) -> Generator[None, None, list[StepOutput]]:
+        """Launch the round after the launched one (its inputs are on the device already; host bounds of the
+        eager path allow for the tokens the launched round may commit)."""
+        self._in_flight = self.spec.block_size if self.spec.speculative else 1
         try:
-            next(launched)
-        except StopIteration as done:
-            return self._retire_finished(done.value)
-        raise AssertionError("a round yields once")  # pragma: no cover
+            ahead = self._speculative_round() if self.spec.speculative else self._ar_round()
+            next(ahead)
+        finally:
+            self._in_flight = 0
+        self.rounds_run_ahead += 1
+        return ahead
 
     def _idle(self, action: str) -> None:
         if self._launched is not None:
             raise RuntimeError(f"{action} while a round is launched: collect it first")
+        if self._ahead is not None:
+            raise RuntimeError(f"{action} while step() has a round launched ahead: settle() first")
 
     @torch.inference_mode()
     def clear(self) -> None:
-        """Drop every running request (the batch is empty and ready for reuse; graphs stay captured)."""
+        """Drop every running request (the batch is empty and ready for reuse; graphs stay captured), a round
+        step() launched ahead with them."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            _finish(ahead)
         self._idle("clear")
         for slot in reversed(range(len(self.rows))):
             self._remove(slot)
@@ -236,7 +311,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         n = len(self.rows)
         m = self._padded_rows(n)
         sampled = self._mode()
-        hint = None if self.graphs is not None else max(r.committed for r in self.rows) + 1
+        hint = None if self.graphs is not None else max(r.committed for r in self.rows) + self._in_flight + 1
         cache, _ = self._first_rows(m)
 
         def verify(s: RoundState) -> None:
@@ -252,9 +327,9 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             self.bonus[:m] = s.next
 
         s = self._run_stages(("ar", m, sampled), lambda: [("verify", verify), ("walk", walk)], RoundState())
+        read = self._read_back(s.next[:n], s.logprobs[:n] if sampled & Mode.LOGPROBS else None)
         yield  # launched: collect() goes on from here
-        tokens = s.next[:n].tolist()  # the one sync: hand the tokens back
-        logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then
+        tokens, logprobs = read()  # the one sync: hand the tokens back
         self.timer.stop()
         self._clear_padding(n, m)
         outputs = []
@@ -271,7 +346,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         sampled = self._mode()
         started, captures = time.perf_counter(), (self.graphs.captures if self.graphs is not None else 0)
         # host bound for the eager "sdpa" attention only (graphed rounds read every length on the device)
-        longest = None if graphed else max(r.committed for r in self.rows)
+        longest = None if graphed else max(r.committed for r in self.rows) + self._in_flight
         costs = self._round_costs(m, cap, graphed) if self.cost_model is not None else None
         # budget auto, graphed: after the first round, each round also picks the next round's tree size from
         # its own tree (on the device, read back with the tokens), so a round is one graph and one sync; the
@@ -302,13 +377,13 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             s = self._run_stages(("round", m, budget, sampled, False),
                                  functools.partial(self._round_stages, m, budget, sampled, False, longest), RoundState())
         width = s.accepted.shape[1]
+        read = self._read_back(s.host[:n], s.logprobs[:n] if sampled & Mode.LOGPROBS else None)
         paused = time.perf_counter()
         yield  # launched: collect() goes on from here
         if self.device.type == "cpu":  # the round ran before the pause; the caller's host work is not its time
             started += time.perf_counter() - paused
         # The one sync per round: the committed tokens go back to the caller.
-        host = s.host[:n].tolist()
-        logprobs = s.logprobs[:n].tolist() if sampled & Mode.LOGPROBS else None  # a second read, only then
+        host, logprobs = read()
         tail = 0  # columns after the accepted length: next round's tree size when it rides along
         if choosing:
             self._next_budget, tail = host[0][-1], 1
@@ -433,6 +508,23 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         return stages
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def _read_back(self, tokens: torch.Tensor, logprobs: torch.Tensor | None
+                   ) -> Callable[[], tuple[list[Any], list[Any] | None]]:
+        """Start copying a round's outputs to the host, in stream order (a round launched ahead may overwrite
+        the graph's output tensors before they are read); the function returned waits for the copy only."""
+        wanted = [tokens] if logprobs is None else [tokens, logprobs]
+        if self.device.type != "cuda":
+            copies = [t.clone() for t in wanted]  # eager rounds run as they are launched
+            return lambda: _as_lists(copies)
+        copies = [t.to("cpu", non_blocking=True) for t in wanted]  # pinned host memory
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> tuple[list[Any], list[Any] | None]:
+            done.synchronize()
+            return _as_lists(copies)
+        return read
+
     def _first_rows(self, m: int) -> tuple[KVCache, DraftContext | None]:
         """Views of the cache's and the context's first m rows (made once per m: each is a few slicing ops)."""
         if m not in self._views:

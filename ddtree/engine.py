@@ -154,15 +154,17 @@ class Engine:
         return default_node_counts(cap)
 
     def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
-                   profile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS) -> DecodeBatch:
+                   profile: bool | None = None, prefill_tokens: int = PREFILL_TOKENS,
+                   run_ahead: bool = True) -> DecodeBatch:
         """profile: synchronise the device around each stage so the per-stage timings are exact.
         None (the default) = only where that is free (the CPU); on CUDA the stage clocks then time
-        the host's enqueueing, and the round runs without waiting on the device."""
+        the host's enqueueing, and the round runs without waiting on the device. run_ahead: step() may
+        launch the next round before reading this one's tokens (ddtree.decode; not while profiling)."""
         max_len = max_len if max_len is not None else self.max_context + spec.max_nodes
         if profile is None:
             profile = self.device.type != "cuda"
         return DecodeBatch(self, spec, max_batch, max_len, profile=profile, prefill_tokens=prefill_tokens,
-                           graph_cache=GraphCache if self.cuda_graphs else None)
+                           graph_cache=GraphCache if self.cuda_graphs else None, run_ahead=run_ahead)
 
     def _generate_batch(self, spec: SpecConfig, max_batch: int, max_len: int, profile: bool | None) -> DecodeBatch:
         """A fresh batch, or (graphed engines) a pooled empty one of the same spec and rows whose cache is
@@ -239,6 +241,7 @@ class Engine:
 
         while pending or batch.active:
             while pending and batch.free_slots:  # a request finished at its first token frees its slot again
+                absorb(batch.settle())  # a round step() launched ahead comes back before anyone joins
                 joining, pending = pending[: batch.free_slots], pending[batch.free_slots :]
                 absorb(batch.add_many(joining))
             absorb(batch.step())

@@ -80,6 +80,10 @@ class EmulatedBatch:
         self.launch()
         return self.collect()
 
+    def settle(self) -> list[StepOutput]:
+        """DecodeBatch.settle: nothing, as step() never runs a round ahead here."""
+        return []
+
     def launch(self) -> None:
         """DecodeBatch.launch: the round starts "on the device" now; collect() waits for what is left of it."""
         if self._launched_at is not None:

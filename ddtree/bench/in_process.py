@@ -87,7 +87,8 @@ def run_in_process(engine: Any, batch: Any, prompts: Sequence[Sequence[int]], co
                 sent[rid] = now
                 records[index[rid]].started_at = time.time()
             requests = [Request(rid, list(prompts[index[rid]]), max_new_tokens, ignore_eos=True) for rid in joining]
-            outputs = batch.add_many(requests)
+            outputs = batch.settle()  # a round step() launched ahead comes back before anyone joins
+            outputs += batch.add_many(requests)
             running += len(joining)
         else:
             started = time.perf_counter()

@@ -342,7 +342,8 @@ def engine_rounds(engine: Engine, config: str, bs: int, context: int, steps: int
     """Median ms of a graphed engine round (DecodeBatch.step: the round's graph and its one host sync)."""
     spec = SpecConfig.from_id(config)
     new = (warmup + steps + 8) * max(spec.block_size, 1)
-    batch = engine.open_batch(spec, bs, max_len=context + new + spec.max_nodes + 8)
+    # one round per step(), each read back before the next starts (run ahead, step() would time its host part)
+    batch = engine.open_batch(spec, bs, max_len=context + new + spec.max_nodes + 8, run_ahead=False)
     gen = torch.Generator().manual_seed(bs)
     prompts = torch.randint(0, engine.vocab_size, (bs, context), generator=gen).tolist()
     with torch.inference_mode():

@@ -2,7 +2,8 @@
 
 torch.cuda.set_sync_debug_mode("warn") makes every synchronising call (`.item()`, `.tolist()`, a
 device-to-host copy, `nonzero`, a stream sync) emit a UserWarning; counting those warnings counts
-the syncs, with no profiler and no change to the work itself.
+the syncs, with no profiler and no change to the work itself. Waiting on an event (how a decode round
+reads its tokens back) is a sync the debug mode does not see, so those waits are counted beside it.
 """
 
 from __future__ import annotations
@@ -22,15 +23,25 @@ def count_host_syncs(fn: Callable[[], T]) -> tuple[T, int]:
         return fn(), 0
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
+    event_waits = 0
+    event_sync = torch.cuda.Event.synchronize
+
+    def counted_event_sync(event: torch.cuda.Event) -> None:
+        nonlocal event_waits
+        event_waits += 1
+        event_sync(event)
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted_event_sync  # type: ignore[method-assign]
         try:
             result = fn()
         finally:
+            torch.cuda.Event.synchronize = event_sync  # type: ignore[method-assign]
             torch.cuda.set_sync_debug_mode(previous)
     # only the per-call warnings count (torch also warns once that the debug mode is a prototype)
-    return result, sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
+    return result, event_waits + sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
 
 
 def round_syncs(batch, rounds: int = 4, warmup_rounds: int = 2) -> list[int]:

@@ -431,9 +431,7 @@ class Scheduler:
                 self._warm_batch(requests)
         except Exception:  # a failed warm-up costs speed, not service: what it missed is captured when met
             log.exception("warm-up of the batch's CUDA graphs failed; serving without it")
-            for requests in runs:
-                for r in requests:
-                    batch.cancel(r.request_id)
+            batch.clear()  # the warm-up's rows (nothing else runs yet), a round launched ahead with them
         self.warm_seconds = time.perf_counter() - started
         log.info("Warmed the batch's CUDA graphs (row buckets %s, prefill widths %s) in %.1f s",
                  buckets[::-1], widths, self.warm_seconds)

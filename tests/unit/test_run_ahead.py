@@ -1,0 +1,167 @@
+"""DecodeBatch.step() running ahead: the next round is launched before this one's tokens are read.
+
+The rounds ahead must change nothing a caller sees: every request's tokens and finish reason equal those of a
+batch that reads each round before launching the next, including requests that stop on a stop token while a
+round ahead is in flight (that round is collected with the step, the stopped row's share dropped), requests
+that join as slots free up, and sampling at T > 0. On the CPU the rounds run as they are launched; the same
+host logic drives the CUDA graphs (tests/unit/test_engine_paths.py runs the engine's GPU paths).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from ddtree.bench.syncs import round_syncs
+from ddtree.config import Algorithm, SpecConfig
+from ddtree.engine import DecodeBatch, Engine, Request
+from ddtree.kernels.tree_attention import triton_available
+from tests.unit.test_engine import AR, make_engine, prompts
+
+SPECS = [
+    pytest.param(AR, id="ar"),
+    pytest.param(SpecConfig(Algorithm.DFLASH, block_size=8, draft_window=None), id="dflash-wnone-bs8"),
+    pytest.param(SpecConfig(budget=8, topk=4, block_size=8, draft_window=2048), id="b8-k4-w2048-bs8"),
+    pytest.param(SpecConfig(budget=2, topk=2, block_size=4, draft_window=None), id="b2-k2-wnone-bs4"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine()
+
+
+def _requests(count: int, temperature: float, stops: tuple[int, ...]) -> list[Request]:
+    """Prompts of 3-40 tokens with different max_new_tokens; some rows will meet a stop token."""
+    return [Request(str(i), p, 24 + 6 * (i % 4), temperature, seed=100 + i, stop_token_ids=stops)
+            for i, p in enumerate(prompts(count, seed=31))]
+
+
+def _drive(batch: DecodeBatch, requests: list[Request]) -> tuple[dict[str, tuple[list[int], str | None]], int]:
+    """Run `requests` through `batch` as Engine.generate does (joining as slots free up): each request's tokens
+    and finish reason, and how many steps handed one request two rounds' outputs."""
+    pending = list(requests)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    reasons: dict[str, str | None] = {}
+    doubled = 0
+
+    def absorb(outputs: list) -> None:
+        for o in outputs:
+            assert o.request_id not in reasons, f"request {o.request_id} has outputs after it finished"
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+
+    while pending or batch.active:
+        while pending and batch.free_slots:
+            absorb(batch.settle())
+            joining, pending = pending[: batch.free_slots], pending[batch.free_slots:]
+            absorb(batch.add_many(joining))
+        outputs = batch.step()
+        doubled += any(n > 1 for n in Counter(o.request_id for o in outputs).values())
+        absorb(outputs)
+    assert batch._ahead is None, "a batch with no rows has no round ahead"
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}, doubled
+
+
+def _stop_tokens(engine: Engine, spec: SpecConfig, temperature: float) -> tuple[int, ...]:
+    """Tokens that some rows produce mid-way and others never (from a run without stops): those rows stop early,
+    the others run to max_new_tokens."""
+    batch = engine.open_batch(spec, max_batch=3, max_len=200, profile=False, run_ahead=False)
+    seen, _ = _drive(batch, _requests(6, temperature, ()))
+    outputs = [toks for toks, _ in seen.values()]
+    rows_with = Counter(t for toks in outputs for t in set(toks))
+    mid = [t for toks in outputs for t in toks[10:18] if rows_with[t] <= 2]
+    return tuple(dict.fromkeys(mid))[:2]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_rounds_ahead_change_no_output(engine: Engine, spec: SpecConfig, temperature: float) -> None:
+    """Six requests through three slots, with stop tokens: the same tokens and reasons with and without the
+    rounds ahead; rounds did run ahead, and a stop with a round in flight handed that round out with the step."""
+    stops = _stop_tokens(engine, spec, temperature)
+    results = {}
+    for run_ahead in (False, True):
+        batch = engine.open_batch(spec, max_batch=3, max_len=200, profile=False, run_ahead=run_ahead)
+        results[run_ahead] = (*_drive(batch, _requests(6, temperature, stops)), batch.rounds_run_ahead)
+    (plain, _, none_ahead), (ahead, doubled, rounds_ahead) = results[False], results[True]
+    assert ahead == plain
+    assert none_ahead == 0 and rounds_ahead > 0
+    assert "stop" in {reason for _, reason in plain.values()} and "length" in {r for _, r in plain.values()}
+    assert doubled > 0, "no row stopped while a round ahead was in flight: the test did not reach that path"
+
+
+def test_rounds_ahead_equal_ar_decoding(engine: Engine) -> None:
+    """DDTREE run ahead commits plain AR decoding's tokens (greedy, no stop tokens)."""
+    reqs = _requests(4, 0.0, ())
+    ar = engine.generate([r.prompt_ids for r in reqs], 27, spec=AR)
+    batch = engine.open_batch(SpecConfig(budget=8, topk=4, block_size=8), max_batch=4, max_len=200, profile=False)
+    got, _ = _drive(batch, [Request(r.request_id, r.prompt_ids, 27) for r in reqs])
+    assert [got[r.request_id][0] for r in reqs] == [a.token_ids for a in ar]
+    assert batch.rounds_run_ahead > 0
+
+
+def test_a_round_ahead_must_be_settled_before_rows_change(engine: Engine) -> None:
+    """With a round ahead in flight, joining, cancelling and a split launch are refused with what to do;
+    settle() hands that round's outputs back; clear() drops it with the rows."""
+    batch = engine.open_batch(AR, max_batch=2, max_len=200, profile=False)
+    reqs = _requests(2, 0.0, ())
+    batch.add_many(reqs)
+    first = batch.step()
+    assert batch._ahead is not None and [o.request_id for o in first] == ["0", "1"]
+    extra = Request("x", [5, 6, 7], 4)
+    for action in (lambda: batch.add_many([extra]), lambda: batch.cancel("0"), batch.launch):
+        with pytest.raises(RuntimeError, match=r"settle\(\) first"):
+            action()
+    settled = batch.settle()
+    assert [o.request_id for o in settled] == ["0", "1"] and all(len(o.new_token_ids) == 1 for o in settled)
+    assert batch._ahead is None and batch.settle() == []
+    assert batch.cancel("0") and batch.active == 1
+    batch.step()
+    assert batch._ahead is not None
+    batch.clear()
+    assert batch._ahead is None and batch.active == 0
+    batch.add_many([extra])  # the batch is usable again
+    assert batch.active == 1
+
+
+def test_no_round_ahead_where_it_could_be_wasted_or_mistimed(engine: Engine) -> None:
+    """No round runs ahead when a row may reach max_new_tokens in the round being read, under a profiling
+    timer (exact stage times), or with budget auto (which reads its next tree size back with the tokens)."""
+    spec = SpecConfig(budget=4, topk=2, block_size=4)
+    short = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
+    short.add_many([Request("0", [3, 4, 5], 4)])  # 3 tokens left after the prefill's: within one round's 4
+    short.step()
+    assert short.rounds_run_ahead == 0
+    for batch in (engine.open_batch(spec, max_batch=2, max_len=200, profile=True),
+                  engine.open_batch(SpecConfig(budget="auto", max_budget=4, topk=2, block_size=4), max_batch=2,
+                                    max_len=200, profile=False)):
+        got, _ = _drive(batch, _requests(2, 0.0, ()))
+        assert batch.rounds_run_ahead == 0 and all(reason == "length" for _, reason in got.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+@pytest.mark.parametrize("spec", SPECS[:3])
+def test_graphed_rounds_ahead_change_no_output(spec: SpecConfig) -> None:
+    """The same on CUDA graphs, where a round ahead overwrites the graph's outputs before the round behind it
+    is read (the read-back copies them first): stops, joins and T > 0 as above; one host sync a round."""
+    cpu = make_engine()
+    cuda = Engine(cpu.target.to("cuda"), cpu.drafter.to("cuda"), attention="triton" if triton_available() else "sdpa",
+                  cuda_graphs=True)
+    for temperature in (0.0, 0.8):
+        stops = _stop_tokens(cuda, spec, temperature)
+        results = {}
+        for run_ahead in (False, True):
+            batch = cuda.open_batch(spec, max_batch=3, max_len=200, profile=False, run_ahead=run_ahead)
+            results[run_ahead] = (*_drive(batch, _requests(6, temperature, stops)), batch.rounds_run_ahead)
+        (plain, _, _), (ahead, doubled, rounds_ahead) = results[False], results[True]
+        assert ahead == plain and rounds_ahead > 0 and doubled > 0
+    batch = cuda.open_batch(spec, max_batch=3, max_len=200, profile=False)
+    batch.add_many(_requests(3, 0.0, ()))
+    assert round_syncs(batch, rounds=3, warmup_rounds=2) == [1, 1, 1]
+    assert batch.rounds_run_ahead >= 4
+    batch.clear()
