@@ -77,16 +77,23 @@ def _stop_tokens(engine: Engine, spec: SpecConfig, temperature: float) -> tuple[
     return tuple(dict.fromkeys(mid))[:2]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
-@pytest.mark.parametrize("spec", SPECS)
-def test_rounds_ahead_change_no_output(engine: Engine, spec: SpecConfig, temperature: float) -> None:
-    """Six requests through three slots, with stop tokens: the same tokens and reasons with and without the
-    rounds ahead; rounds did run ahead, and a stop with a round in flight handed that round out with the step."""
+def _with_and_without(engine: Engine, spec: SpecConfig, temperature: float) -> dict[bool, tuple]:
+    """Six requests through three slots, with stop tokens, by run_ahead: (outputs, steps that handed one
+    request two rounds, rounds run ahead)."""
     stops = _stop_tokens(engine, spec, temperature)
     results = {}
     for run_ahead in (False, True):
         batch = engine.open_batch(spec, max_batch=3, max_len=200, profile=False, run_ahead=run_ahead)
         results[run_ahead] = (*_drive(batch, _requests(6, temperature, stops)), batch.rounds_run_ahead)
+    return results
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_rounds_ahead_change_no_output(engine: Engine, spec: SpecConfig, temperature: float) -> None:
+    """Six requests through three slots, with stop tokens: the same tokens and reasons with and without the
+    rounds ahead; rounds did run ahead, and a stop with a round in flight handed that round out with the step."""
+    results = _with_and_without(engine, spec, temperature)
     (plain, _, none_ahead), (ahead, doubled, rounds_ahead) = results[False], results[True]
     assert ahead == plain
     assert none_ahead == 0 and rounds_ahead > 0
@@ -153,11 +160,7 @@ def test_graphed_rounds_ahead_change_no_output(spec: SpecConfig) -> None:
     cuda = Engine(cpu.target.to("cuda"), cpu.drafter.to("cuda"), attention="triton" if triton_available() else "sdpa",
                   cuda_graphs=True)
     for temperature in (0.0, 0.8):
-        stops = _stop_tokens(cuda, spec, temperature)
-        results = {}
-        for run_ahead in (False, True):
-            batch = cuda.open_batch(spec, max_batch=3, max_len=200, profile=False, run_ahead=run_ahead)
-            results[run_ahead] = (*_drive(batch, _requests(6, temperature, stops)), batch.rounds_run_ahead)
+        results = _with_and_without(cuda, spec, temperature)
         (plain, _, _), (ahead, doubled, rounds_ahead) = results[False], results[True]
         assert ahead == plain and rounds_ahead > 0 and doubled > 0
     batch = cuda.open_batch(spec, max_batch=3, max_len=200, profile=False)
