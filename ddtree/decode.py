@@ -513,9 +513,8 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         """Start copying a round's outputs to the host, in stream order (a round launched ahead may overwrite
         the graph's output tensors before they are read); the function returned waits for the copy only."""
         wanted = [tokens] if logprobs is None else [tokens, logprobs]
-        if self.device.type != "cuda":
-            copies = [t.clone() for t in wanted]  # eager rounds run as they are launched
-            return lambda: _as_lists(copies)
+        if self.device.type != "cuda":  # the round has run already (no graph: its tensors are its own)
+            return lambda: _as_lists(wanted)
         copies = [t.to("cpu", non_blocking=True) for t in wanted]  # pinned host memory
         done = torch.cuda.Event()
         done.record()
