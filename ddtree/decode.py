@@ -24,7 +24,9 @@ the next without waiting for the host's bookkeeping between them. Every round in
 the round ahead is the round that would have run. When a row stops on a stop token in the collected round,
 step() also collects the round ahead and returns its outputs after this round's (the stopped row's dropped:
 its extra round is discarded, like a padding row's); otherwise the round ahead is the next step()'s round.
-A round ahead must be taken back (`settle()`) before requests join or leave.
+A round ahead must be taken back (`settle()`) before requests join or leave. The server's scheduler, which
+launches and collects itself, asks for the same with `collect(run_ahead=True)`: its next `launch()` then
+takes the round already in flight.
 
 On CUDA (with Triton) verify attention is the tree-attention kernel and each round runs as one CUDA graph,
 rows padded to a captured bucket, and steps 2, 3 and 5 are one Triton kernel each (ddtree.kernels.tree_ops);
@@ -200,10 +202,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
     def step(self) -> list[StepOutput]:
         """One round for every running request (two when a round launched ahead had to be collected with it:
         see the module's doc); finished requests leave the batch."""
-        if self._ahead is not None:
-            self._launched, self._ahead = self._ahead, None
-        else:
-            self._launch()
+        self._take_or_launch()
         return self._collect(run_ahead=self.run_ahead)
 
     @torch.inference_mode()
@@ -215,26 +214,39 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         self._launched, self._ahead = self._ahead, None
         return self._collect()
 
+    @property
+    def round_ahead(self) -> bool:
+        """Whether a round launched ahead (by step() or collect(run_ahead=True)) is in flight."""
+        return self._ahead is not None
+
     @torch.inference_mode()
     def launch(self) -> None:
         """Start one round for every running request; `collect` finishes it and returns its outputs.
 
         The round's device work is enqueued and nothing waits for it (except the rounds of budget auto that
         read b* before verifying), so between the two the caller may do host work of its own while the
-        device runs: the server hands out the previous round's tokens there. Outputs are step()'s."""
-        self._launch()
+        device runs: the server hands out the previous round's tokens there. Outputs are step()'s. A round
+        launched ahead is taken as this round: it runs already."""
+        self._take_or_launch()
 
     @torch.inference_mode()
-    def collect(self) -> list[StepOutput]:
-        """Wait for the launched round; its outputs (finished requests leave the batch)."""
-        return self._collect()
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        """Wait for the launched round; its outputs (finished requests leave the batch).
+
+        run_ahead: as step() does, where the batch's `run_ahead` allows it: the next round is launched
+        before this one's tokens are read, and stays in flight for the next launch() (or settle())."""
+        return self._collect(run_ahead=run_ahead and self.run_ahead)
 
     # step() enters inference mode once (~1-3 us a call), launch() and collect() once each
-    def _launch(self) -> None:
+    def _take_or_launch(self) -> None:
         if self._launched is not None:
             raise RuntimeError("a round is already launched: collect it first")
         if self._ahead is not None:
-            raise RuntimeError("step() launched a round ahead: settle() first")
+            self._launched, self._ahead = self._ahead, None
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
         if not self.rows:
             launched = _no_round()
         else:

@@ -138,6 +138,7 @@ class EmulatedEngine:
     attention: str = "emulated"
     prefill_token_s: float = 0.0
 
-    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None) -> EmulatedBatch:
+    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int | None = None,
+                   run_ahead: bool = True) -> EmulatedBatch:  # run_ahead: its rounds never run ahead
         return EmulatedBatch(spec, max_batch, max_len or self.max_context, self.round_s, self.prefill_s,
                              self.tokens_per_round, self.prefill_token_s)

@@ -227,6 +227,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--dtype", args.dtype] if args.dtype != "auto" else []
     if args.sleep_on_idle:
         flags.append("--sleep-on-idle")
+    if args.disable_overlap_schedule:
+        flags.append("--disable-overlap-schedule")
     return flags
 
 
@@ -286,6 +288,8 @@ def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: flo
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--sleep-on-idle", action="store_true", help="the server's: block instead of polling")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="the server's (and the in-process batch's): no round launched before the one before it is read")
     p.add_argument("--round-ms", type=float, default=round_ms, help="emulated: a round's GIL-free wait")
     p.add_argument("--prefill-ms", type=float, default=prefill_ms, help="emulated: a prefill's GIL-free wait")
     p.add_argument("--prefill-token-us", type=float, default=0.0,
@@ -377,7 +381,8 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
                 channel = EngineChannel(address, key)
             else:
                 context_length = backend.reported_settings().get("context_length") or engine.max_context
-                batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+                batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes,
+                                          run_ahead=not args.disable_overlap_schedule)
             for i, (ctx, conc) in enumerate(cells):
                 in_process = None if channel is None else partial(channel.measure, i)
                 rows.append(_cell(args, engine, batch, backend.base_url, spec, prompts[ctx], ctx, conc, in_process))

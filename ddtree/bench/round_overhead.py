@@ -139,8 +139,8 @@ class RoundClock:
             self.starts.append(time.perf_counter())
             launch()
 
-        def timed_collect() -> list[StepOutput]:
-            out = collect()
+        def timed_collect(**kwargs: Any) -> list[StepOutput]:  # the scheduler's collect(run_ahead=True) too
+            out = collect(**kwargs)
             self.ends.append(time.perf_counter())
             return out
 

@@ -58,6 +58,7 @@ class ServerArgs:
     attention_backend: str = "auto"  # verify attention: auto | sdpa | triton (ddtree.engine.resolve_attention)
     disable_cuda_graph: bool = False  # run rounds eagerly on CUDA (graphs are on by default there)
     sleep_on_idle: bool = False  # block instead of polling between requests (ddtree.serving.polling)
+    disable_overlap_schedule: bool = False  # never launch a round before the one before it is read
 
     @property
     def spec(self) -> SpecConfig:
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish after SIGTERM",
     )
     p.add_argument("--served-model-name", default=None, help="model name in /v1 responses")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="launch each decode round only after the one before it is read (by default, on CUDA, "
+                        "the next round is launched first, so the device does not wait on the host)")
     p.add_argument("--sleep-on-idle", action="store_true",
                    help="never poll: both server processes block between events (by default they poll while "
                         "requests run and briefly after, on machines with 8 or more CPUs)")
@@ -241,6 +245,7 @@ def resolve_args(argv: list[str] | None = None) -> ServerArgs:
         attention_backend=ns.attention_backend,
         disable_cuda_graph=ns.disable_cuda_graph,
         sleep_on_idle=ns.sleep_on_idle,
+        disable_overlap_schedule=ns.disable_overlap_schedule,
     )
     if args.attention_backend == "triton" and args.device != "cuda":
         raise ConfigError(f"--attention-backend: 'triton' needs --device cuda (got {args.device}); use auto or sdpa")

@@ -12,7 +12,10 @@ knows about HTTP or text.
 Three things keep a served round as fast as the engine's own:
 - a batch that splits its round (DecodeBatch.launch / collect) gets round N + 1 launched before round
   N's outputs are handed out (metrics, events, the relay's pickle and write: ~1-2 us a row of Python),
-  so that work runs while the device does, not between two rounds (_run says when it cannot);
+  so that work runs while the device does, not between two rounds (_serve says when it cannot); a
+  batch that runs ahead (its `run_ahead`; off with --disable-overlap-schedule) launches round N + 1
+  before it reads round N's tokens, so the device does not wait for the host's bookkeeping or this
+  loop between the two either; it is settled before requests join or leave;
 - on a CUDA device the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
   device with the GIL released and needs it back the moment the device is done; with CPython's
   default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -299,8 +303,10 @@ class Scheduler:
         While nothing joins or leaves, the previous round's outputs are handed out (metrics, events, the
         relay's pickle and pipe write) after the next round is launched, while the device runs it; otherwise
         they go first, so a request that finished in a round is never reported as cancelled after it, and a
-        cancel or a prefill sees what the rounds before it produced. Either way every request sees its own
-        events in order, each once, and the batch runs the same rounds."""
+        cancel or a prefill sees what the rounds before it produced. A batch that runs ahead has the next
+        round in flight when a collect returns: the next launch takes it, and before cancels or prefills
+        it is settled (collected and handed out, after the round before it). Either way every request sees
+        its own events in order, each once, and the batch runs the same rounds."""
         self._warm_up()
         if self.after_warm_up is not None:
             self.after_warm_up()
@@ -308,7 +314,12 @@ class Scheduler:
         launch = getattr(batch, "launch", None)
         collect = getattr(batch, "collect", None)
         split = launch is not None and collect is not None
+        settle = getattr(batch, "settle", None)
+        # a batch that runs ahead (DecodeBatch's run_ahead) launches round N + 1 inside round N's collect
+        ahead = split and settle is not None and getattr(batch, "run_ahead", False)
+        collect_round = functools.partial(collect, run_ahead=True) if ahead else collect
         held: tuple[list[StepOutput], float] | None = None  # the last round's outputs, and its seconds
+        read_at = time.perf_counter()  # when the last round's outputs were read
         load = None
         inbox = self.inbox
         while True:
@@ -337,6 +348,8 @@ class Scheduler:
             if held is not None and (cancels or admit):
                 self._hand_out(*held)  # before the cancels and the prefills, as they came
                 held = None
+            if ahead and (cancels or admit) and batch.round_ahead:  # type: ignore[attr-defined]
+                read_at = self._settle(settle, read_at)  # rows join or leave with no round in flight
             if cancels:
                 for request_id in cancels:
                     self._cancel_running(request_id)
@@ -345,7 +358,8 @@ class Scheduler:
                 self._flush()  # first tokens leave before the round, not after it (TTFT)
             if waited:
                 inbox.busy()  # type: ignore[union-attr]  # after the first tokens: the reader's wake-up waits for them
-            started = time.perf_counter()
+            # a round launched ahead has run since the last read: its time counts from there
+            started = read_at if ahead and batch.round_ahead else time.perf_counter()  # type: ignore[attr-defined]
             launched = batch.active > 0
             if launched and split:
                 try:
@@ -366,11 +380,14 @@ class Scheduler:
             if launched:
                 if not split:
                     started = time.perf_counter()  # a whole step() from here
-                outputs = self._collect(collect if split else batch.step)
+                outputs = self._collect(collect_round if split else batch.step)
+                read_at = time.perf_counter()
                 if outputs is not None:
-                    held = (outputs, time.perf_counter() - started)
+                    held = (outputs, read_at - started)
         if held is not None:
             self._hand_out(*held)
+        if ahead and batch.round_ahead:  # type: ignore[attr-defined]
+            self._settle(settle, read_at)
         for request_id in list(self._running):
             self._cancel_running(request_id)
         with self._cond:
@@ -527,6 +544,15 @@ class Scheduler:
         self.rounds += 1
         self.last_round_at = time.monotonic()
         return outputs
+
+    def _settle(self, settle: Callable[[], list[StepOutput]], read_at: float) -> float:
+        """Collect the round the batch launched ahead and hand it out (its time counted from `read_at`, the
+        read of the round before it); returns when its outputs were read."""
+        outputs = self._collect(settle)
+        now = time.perf_counter()
+        if outputs is not None:
+            self._hand_out(outputs, now - read_at)
+        return now
 
     def _hand_out(self, outputs: list[StepOutput], seconds: float) -> None:
         """A collected round's outputs to their requests, and the round to the metrics (`seconds`: from its

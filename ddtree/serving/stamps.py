@@ -148,7 +148,7 @@ class StampedBatch:
             self.add = self._prefill(batch.add, lambda request: [request])
         if hasattr(batch, "add_many"):
             self.add_many = self._prefill(batch.add_many, lambda requests: requests)
-        for name in ("step", "collect"):
+        for name in ("step", "collect", "settle"):
             if hasattr(batch, name):
                 setattr(self, name, self._round(getattr(batch, name)))
 
@@ -166,8 +166,8 @@ class StampedBatch:
 
     @staticmethod
     def _round(run: Any) -> Any:
-        def stamped() -> Any:
-            return _stamp_outputs(run())
+        def stamped(*args: Any, **kwargs: Any) -> Any:  # collect(run_ahead=True) too
+            return _stamp_outputs(run(*args, **kwargs))
 
         return stamped
 

@@ -61,7 +61,7 @@ class EngineLike(Protocol):
     max_context: int
     vocab_size: int
 
-    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int) -> DecodeBatchLike: ...
+    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int, run_ahead: bool = True) -> DecodeBatchLike: ...
 
 
 @dataclass
@@ -349,7 +349,8 @@ def open_scheduler(engine: EngineLike, context_length: int, metrics: Recorder, d
                    spec: SpecConfig, args: ServerArgs) -> Scheduler:
     """The batch the server serves and the Scheduler that runs it (in this process, or in the engine process)."""
     # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
-    batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes)
+    batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes,
+                              run_ahead=not args.disable_overlap_schedule)
     if stamps.ON:  # python -m ddtree.bench.timeline: each request's prefill, last round and hand-out
         batch, deliver = stamps.StampedBatch(batch), stamps.stamped_deliver(deliver)
     warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)

@@ -153,8 +153,10 @@ class FakeEngine:
         self.gate = threading.Event()  # clear it to hold every round (e.g. the warm-up)
         self.gate.set()
         self.batches: list[FakeBatch] = []
+        self.run_ahead: bool | None = None  # the last open_batch's run_ahead
 
-    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int) -> FakeBatch:
+    def open_batch(self, spec: SpecConfig, max_batch: int, max_len: int, run_ahead: bool = True) -> FakeBatch:
         batch = FakeBatch(self, spec, max_batch, max_len)
+        self.run_ahead = run_ahead  # what the server asked for (its rounds never run ahead)
         self.batches.append(batch)
         return batch

@@ -203,6 +203,13 @@ def test_bad_arguments_exit_2_before_loading(capsys: pytest.CaptureFixture[str])
     assert "--waves" in capsys.readouterr().err
 
 
+def test_server_flags_pass_the_bench_options_on() -> None:
+    assert hve.server_flags(hve.build_parser().parse_args(["--engine", "emulated"])) == []
+    args = hve.build_parser().parse_args(["--engine", "emulated", "--dtype", "bfloat16", "--sleep-on-idle",
+                                          "--disable-overlap-schedule"])
+    assert hve.server_flags(args) == ["--dtype", "bfloat16", "--sleep-on-idle", "--disable-overlap-schedule"]
+
+
 def test_waves_lengthen_a_repeat_at_high_concurrency_only() -> None:
     args = hve.build_parser().parse_args(["--engine", "emulated", "--waves", "3"])
     assert [hve.requests_per_repeat(args, c) for c in (1, 8, 32)] == [8, 24, 96]

@@ -112,17 +112,26 @@ def test_rounds_ahead_equal_ar_decoding(engine: Engine) -> None:
 
 
 def test_a_round_ahead_must_be_settled_before_rows_change(engine: Engine) -> None:
-    """With a round ahead in flight, joining, cancelling and a split launch are refused with what to do;
-    settle() hands that round's outputs back; clear() drops it with the rows."""
+    """With a round ahead in flight, joining and cancelling are refused with what to do; a split launch takes
+    that round, and collect(run_ahead=True) leaves the next one in flight; settle() hands a round ahead's
+    outputs back; clear() drops it with the rows."""
     batch = engine.open_batch(AR, max_batch=2, max_len=200, profile=False)
     reqs = _requests(2, 0.0, ())
     batch.add_many(reqs)
     first = batch.step()
-    assert batch._ahead is not None and [o.request_id for o in first] == ["0", "1"]
+    assert batch.round_ahead and [o.request_id for o in first] == ["0", "1"]
     extra = Request("x", [5, 6, 7], 4)
-    for action in (lambda: batch.add_many([extra]), lambda: batch.cancel("0"), batch.launch):
+    for action in (lambda: batch.add_many([extra]), lambda: batch.cancel("0")):
         with pytest.raises(RuntimeError, match=r"settle\(\) first"):
             action()
+    batch.launch()  # the round in flight is this round: nothing new is launched
+    assert not batch.round_ahead and batch.rounds_run_ahead == 1
+    taken = batch.collect()
+    assert [o.request_id for o in taken] == ["0", "1"] and all(len(o.new_token_ids) == 1 for o in taken)
+    assert not batch.round_ahead
+    batch.launch()
+    batch.collect(run_ahead=True)
+    assert batch.round_ahead and batch.rounds_run_ahead == 2
     settled = batch.settle()
     assert [o.request_id for o in settled] == ["0", "1"] and all(len(o.new_token_ids) == 1 for o in settled)
     assert batch._ahead is None and batch.settle() == []
@@ -137,8 +146,14 @@ def test_a_round_ahead_must_be_settled_before_rows_change(engine: Engine) -> Non
 
 def test_no_round_ahead_where_it_could_be_wasted_or_mistimed(engine: Engine) -> None:
     """No round runs ahead when a row may reach max_new_tokens in the round being read, under a profiling
-    timer (exact stage times), or with budget auto (which reads its next tree size back with the tokens)."""
+    timer (exact stage times), with budget auto (which reads its next tree size back with the tokens), or on a
+    batch opened without run_ahead, whatever collect() is asked."""
     spec = SpecConfig(budget=4, topk=2, block_size=4)
+    off = engine.open_batch(spec, max_batch=2, max_len=200, profile=False, run_ahead=False)
+    off.add_many(_requests(2, 0.0, ()))
+    off.launch()
+    off.collect(run_ahead=True)
+    assert not off.round_ahead and off.rounds_run_ahead == 0
     short = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
     short.add_many([Request("0", [3, 4, 5], 4)])  # 3 tokens left after the prefill's: within one round's 4
     short.step()

@@ -71,6 +71,52 @@ class SplitBatch(hve.EmulatedBatch):
         raise AssertionError("a batch that splits its rounds is launched and collected, never stepped")
 
 
+class AheadBatch(SplitBatch):
+    """A SplitBatch that runs ahead as DecodeBatch does: collect(run_ahead=True) launches the next round before
+    it returns ("ahead", k) unless a row finished or may finish in it; launch() then takes that round ("take",
+    k) and settle() collects it ("settle", k). Rows may not join or leave while a round is ahead."""
+
+    run_ahead = True
+
+    def __init__(self, max_batch: int = 4, tokens: int = 1) -> None:
+        super().__init__(max_batch, tokens)
+        self.ahead = False
+
+    @property
+    def round_ahead(self) -> bool:
+        return self.ahead
+
+    def launch(self) -> None:
+        if not self.ahead:
+            return super().launch()
+        assert not self.launched, "launched twice"
+        self.ahead, self.launched = False, True
+        self.log.append(("take", self.collected))
+
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        outputs = super().collect()
+        room = all(len(out) + self.tokens_per_round < req.max_new_tokens for req, out, _ in self.rows.values())
+        if run_ahead and self.rows and room and not any(o.finished for o in outputs):
+            self.ahead = True
+            self.log.append(("ahead", self.collected))
+        return outputs
+
+    def settle(self) -> list[StepOutput]:
+        if not self.ahead:
+            return []
+        self.ahead, self.launched = False, True
+        self.log.append(("settle", self.collected))
+        return super().collect()
+
+    def add_many(self, requests):  # type: ignore[no-untyped-def]
+        assert not self.ahead, "prefill while a round is ahead"
+        return super().add_many(requests)
+
+    def cancel(self, request_id: str) -> bool:
+        assert not self.ahead, "cancel while a round is ahead"
+        return super().cancel(request_id)
+
+
 class Events:
     """Every event per request id, as sinks; `done` once every watched request has its last event."""
 
@@ -118,6 +164,65 @@ def test_a_round_is_handed_out_while_the_next_one_runs() -> None:
                          ("launch", 2), ("event", "a"), ("collect", 2),
                          ("launch", 3), ("event", "a"), ("collect", 3), ("event", "a")]
     assert sched.rounds == 4 and not batch.rows
+
+
+def test_a_batch_that_runs_ahead_has_its_next_round_in_flight_when_a_round_is_handed_out() -> None:
+    """Each collect launches the next round before it returns; the next launch takes it, and the round's
+    outputs are handed out while it runs; the last rounds (a row may finish in them) are not run ahead."""
+    batch = AheadBatch()
+    events = Events(["a"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    run(sched, events, [Request("a", [1, 2, 3], 5, ignore_eos=True)])
+    assert events.tokens("a") == [1, 2, 3, 1, 2]
+    assert batch.log == [("event", "a"), ("launch", 0), ("collect", 0), ("ahead", 1),
+                         ("take", 1), ("event", "a"), ("collect", 1), ("ahead", 2),
+                         ("take", 2), ("event", "a"), ("collect", 2),
+                         ("launch", 3), ("event", "a"), ("collect", 3), ("event", "a")]
+    assert sched.rounds == 4 and sched.metrics.rounds._value.get() == 4  # type: ignore[attr-defined]
+
+
+def test_a_round_ahead_is_settled_and_handed_out_before_a_cancel() -> None:
+    """The cancel lands while round 1 runs, round 2 already launched ahead: round 1's outputs, then round 2's
+    (settled), then the abort; the row leaves before round 3, and the other row runs on."""
+    batch = AheadBatch()
+    events = Events(["a", "b"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    batch.on_collect = lambda k: sched.cancel("a") if k == 1 else None
+    run(sched, events, [Request("a", [1, 2], 50, ignore_eos=True), Request("b", [4, 5], 9, ignore_eos=True)])
+    assert [len(ev.new_token_ids) for ev in events.got["a"]] == [1, 1, 1, 1, 0]  # prefill, rounds 0-2, abort
+    assert events.last("a").finish_reason == "abort"  # type: ignore[union-attr]
+    i = batch.log.index(("cancel", "a"))
+    assert batch.log[i - 4:i + 7] == [("collect", 1), ("ahead", 2), ("settle", 2), ("collect", 2),
+                                      ("cancel", "a"), ("launch", 3), ("event", "a"), ("event", "b"),
+                                      ("event", "a"), ("event", "b"), ("event", "a")]
+    assert events.tokens("b") == [4, 5, 4, 5, 4, 5, 4, 5, 4]
+
+
+def test_an_arrival_joins_a_batch_that_runs_ahead_after_the_round_ahead_is_handed_out() -> None:
+    batch = AheadBatch()
+    events = Events(["a", "late"], batch.log)
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None, burst_gap_s=0)  # no burst held back
+    batch.on_collect = lambda k: sched.submit(Request("late", [7, 8, 9], 2, ignore_eos=True),
+                                              events.sink("late")) if k == 0 else None
+    run(sched, events, [Request("a", [1, 2], 9, ignore_eos=True)])
+    assert events.tokens("late") == [7, 8] and events.tokens("a") == [1, 2, 1, 2, 1, 2, 1, 2, 1]
+    i = batch.log.index(("event", "late"))  # its first token, from the prefill
+    assert batch.log[i - 6:i + 2] == [("collect", 0), ("ahead", 1), ("settle", 1), ("collect", 1),
+                                      ("event", "a"), ("event", "a"), ("event", "late"), ("launch", 2)]
+
+
+def test_stop_settles_the_round_ahead_then_aborts() -> None:
+    batch = AheadBatch(max_batch=1)
+    events = Events(["a"], batch.log)
+    sched = Scheduler(batch, max_running=1, switch_interval_s=None)
+    batch.on_collect = lambda k: threading.Thread(target=sched.stop).start() if k == 3 else None
+    run(sched, events, [Request("a", [1], 400, ignore_eos=True)])
+    assert events.last("a").finish_reason == "abort" and not batch.ahead  # type: ignore[union-attr]
+    rounds = sum(1 for entry in batch.log if entry[0] == "collect")
+    assert len(events.tokens("a")) == 1 + rounds  # the prefill's token and every round's, the last settled one's
+    i = batch.log.index(("cancel", "a"))  # the abort, after the round ahead was collected
+    assert batch.log[i - 2:] == [("settle", rounds - 1), ("collect", rounds - 1), ("cancel", "a"),
+                                 ("event", "a"), ("event", "a"), ("event", "a")]
 
 
 def test_a_request_that_finished_is_not_reported_as_cancelled_after_it() -> None:
@@ -281,6 +386,26 @@ def test_served_outputs_equal_ar_at_t0(engine: Engine, config: str) -> None:
         want = ref_stop.token_ids if i == 1 else r.token_ids[:16 - i]
         assert events.tokens(str(i)) == want, i
         assert events.last(str(i)).finish_reason == ("stop" if i == 1 else "length")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("config", ["b8-k4-w2048-bs8", "ar"])
+def test_served_rounds_run_ahead_equal_ar_at_t0(engine: Engine, config: str) -> None:
+    """A batch that runs ahead (no profiling timer, as on CUDA) through the scheduler: rounds are launched
+    inside the collect before them, settled for the late arrivals and the stopped and finished rows, and
+    every request gets AR's tokens."""
+    spec = SpecConfig.from_id(config)
+    texts = prompts(5, seed=37)
+    ref = engine.generate(texts, 30, spec=AR)
+    stop = ref[1].token_ids[12]  # request 1 stops at its thirteenth token
+    ref_stop = engine.generate([texts[1]], 30, spec=AR, stop_token_ids=[stop])[0]
+    reqs = [Request(str(i), p, 30 - 2 * i, stop_token_ids=(stop,) if i == 1 else ()) for i, p in enumerate(texts)]
+    batch = engine.open_batch(spec, max_batch=3, max_len=128, profile=False)
+    events = Events([r.request_id for r in reqs])
+    run(Scheduler(batch, max_running=3, switch_interval_s=None), events, reqs, timeout=120)
+    for i, r in enumerate(ref):
+        want = ref_stop.token_ids if i == 1 else r.token_ids[:30 - 2 * i]
+        assert events.tokens(str(i)) == want, i
+    assert batch.rounds_run_ahead > 0 and not batch.round_ahead and not batch.rows
 
 
 def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> None:

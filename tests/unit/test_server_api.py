@@ -827,6 +827,22 @@ def test_resolve_args_decode_path_flags(tmp_path: Any) -> None:
     assert args.to_dict()["disable_cuda_graph"] is True  # reported by /server_info
     with pytest.raises(ConfigError, match="--attention-backend: 'triton' needs --device cuda"):
         resolve_args(["--model-path", target, "--device", "cpu", "--attention-backend", "triton"])
+    assert args.disable_overlap_schedule is False
+    args = resolve_args(["--model-path", target, "--device", "cpu", "--disable-overlap-schedule"])
+    assert args.disable_overlap_schedule is True and args.to_dict()["disable_overlap_schedule"] is True
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_overlap_schedule_opens_a_batch_that_does_not_run_ahead(disable: bool) -> None:
+    """--disable-overlap-schedule reaches the batch (run_ahead off) and /server_info."""
+    app, engine = make_app(disable_overlap_schedule=disable)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        info = (await client.get("/server_info")).json()
+        assert info["disable_overlap_schedule"] is disable
+
+    run(app, body)
+    assert engine.run_ahead is (not disable)
 
 
 @pytest.mark.parametrize(
