@@ -18,12 +18,12 @@ with the tokens, one round in CHOOSE_EVERY (the rounds between build and verify 
 budget's round does). `step()` is `launch()` then `collect()`: a caller with host work of its own (the
 server's scheduler) does it between the two, while the device runs the round.
 
-`step()` also runs ahead (`run_ahead`): while no row can reach its max_new_tokens in the round being
-collected, it launches the next round before reading this one's tokens, so the device goes from one round to
-the next without waiting for the host's bookkeeping between them. Every round input lives on the device, so
-the round ahead is the round that would have run. When a row stops on a stop token in the collected round,
-step() also collects the round ahead and returns its outputs after this round's (the stopped row's dropped:
-its extra round is discarded, like a padding row's); otherwise the round ahead is the next step()'s round.
+`step()` also runs ahead (`run_ahead`): it launches the next round before reading this one's tokens, so the
+device goes from one round to the next without waiting for the host's bookkeeping between them. Every round
+input lives on the device, so the round ahead is the round that would have run, and it becomes the next
+step()'s round. A row that finishes in the round being read (a stop token, or max_new_tokens) is handed out
+at once; it is also in the round ahead, whose share for it is discarded (like a padding row's) when that round
+is collected, and it leaves the batch then. The caches keep a block of room past max_len for that round.
 A round ahead must be taken back (`settle()`) before requests join or leave. The server's scheduler, which
 launches and collects itself, asks for the same with `collect(run_ahead=True)`: its next `launch()` then
 takes the round already in flight.
@@ -129,10 +129,13 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         self._graph_heads: dict[tuple, str] = {}  # a captured round's first stage (the timer's name for it)
         self.rows: list[Row] = []
         self._init_round_costs(max_batch)  # budget auto (ddtree.round_costs)
-        self.cache = engine.target.new_cache(max_batch, max_len)
+        # room for a round launched ahead of one in which a row may reach max_len: its tokens are discarded,
+        # but its tree is written past what validate() allows, by at most what one round commits
+        self.cache_len = max_len + (spec.block_size if spec.speculative else 1)  # slots a cache row holds
+        self.cache = engine.target.new_cache(max_batch, self.cache_len)
         self.ctx = None
         if spec.speculative:
-            self.ctx = engine.drafter.new_context(max_batch, spec.draft_window, max_len)
+            self.ctx = engine.drafter.new_context(max_batch, spec.draft_window, self.cache_len)
             assert engine.mask_token_id is not None  # check_spec: speculation has a drafter
             # the MASK positions of every draft block (a constant: the block is the bonus, then these)
             self._masks = torch.full((max_batch, spec.block_size - 1), engine.mask_token_id, dtype=torch.long,
@@ -142,6 +145,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         self._launched: Generator[None, None, list[StepOutput]] | None = None  # launch() to collect()
         self.run_ahead = run_ahead
         self._ahead: Generator[None, None, list[StepOutput]] | None = None  # step()'s round launched ahead
+        self._leaving: set[str] = set()  # finished rows still in the round ahead: they leave when it is read
         self._in_flight = 0  # tokens a row may commit in rounds launched but not collected (host bounds)
         self.rounds_run_ahead = 0  # rounds step() launched before reading the previous round's tokens
         # Per-slot device state (rows 0..n-1 are live).
@@ -153,11 +157,13 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
     # -- public API ----------------------------------------------------------------------------
     @property
     def active(self) -> int:
-        return len(self.rows)
+        """Rows still running (a finished row waiting for the round ahead to be collected is not)."""
+        return len(self.rows) - len(self._leaving)
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch - len(self.rows)
+        """Slots free for requests to join (after settle(), where a round ahead is in flight)."""
+        return self.max_batch - self.active
 
     def add(self, request: Request) -> list[StepOutput]:
         """Prefill one request into a free slot; returns its first token as a StepOutput."""
@@ -200,15 +206,15 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One round for every running request (two when a round launched ahead had to be collected with it:
-        see the module's doc); finished requests leave the batch."""
+        """One round for every running request; finished requests leave the batch (with a round launched
+        ahead, when that round is read: see the module's doc)."""
         self._take_or_launch()
         return self._collect(run_ahead=self.run_ahead)
 
     @torch.inference_mode()
     def settle(self) -> list[StepOutput]:
-        """Collect the round step() launched ahead, if any (its outputs; finished requests leave the batch):
-        afterwards requests may join or leave."""
+        """Collect the round launched ahead, if any (its outputs; finished requests, and those that finished in
+        the round before it, leave the batch): afterwards requests may join or leave."""
         if self._ahead is None:
             return []
         self._launched, self._ahead = self._ahead, None
@@ -258,27 +264,26 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         launched, self._launched = self._launched, None
         if launched is None:
             raise RuntimeError("no round launched")
-        ahead = self._launch_ahead() if run_ahead and self._may_run_ahead() else None
+        # rows that finished in the round before are in this one: it is read before anything more runs
+        leaving, self._leaving = self._leaving, set()
+        ahead = self._launch_ahead() if run_ahead and not leaving and self._may_run_ahead() else None
         outputs = _finish(launched)
+        if leaving:
+            outputs = [o for o in outputs if o.request_id not in leaving]  # their discarded extra round
+        finished = {o.request_id for o in outputs if o.finished}
         if ahead is not None:
-            stopped = {o.request_id for o in outputs if o.finished}
-            if not stopped:
-                self._ahead = ahead
-                return outputs  # nobody finished: nobody leaves
-            # a stop token: the round ahead ran for a row that has finished; collect it now so the row can
-            # leave with nothing in flight (its outputs for the stopped rows are the discarded extra round)
-            outputs += [o for o in _finish(ahead) if o.request_id not in stopped]
-        return self._retire_finished(outputs)
+            self._ahead = ahead
+            self._leaving = finished  # handed out now; they leave when the round ahead is read
+            return outputs
+        self._retire(leaving | finished)
+        return outputs
 
     def _may_run_ahead(self) -> bool:
         """Whether the next round may be launched before the launched one is read: a fixed tree size (budget
-        auto reads its next size back with the tokens), no per-stage profiling, and no row that the launched
-        round may finish by length (its max_new_tokens), so only a stop token can end a row's rounds early.
-        Then a round ahead starts below each row's prompt + max_new_tokens, which validate() keeps in room."""
-        if self.timer.sync or self.cost_model is not None or not self.rows:
-            return False
-        most = self.spec.block_size if self.spec.speculative else 1  # tokens a round commits for a row, at most
-        return all(row.request.max_new_tokens - len(row.output) > most for row in self.rows)
+        auto reads its next size back with the tokens) and no per-stage profiling. A row that reaches its
+        max_new_tokens in the launched round is in the round ahead too: the caches' room past max_len holds
+        that round's tree."""
+        return not (self.timer.sync or self.cost_model is not None or not self.rows)
 
     def _launch_ahead(self) -> Generator[None, None, list[StepOutput]]:
         """Launch the round after the launched one (its inputs are on the device already; host bounds of the
@@ -306,6 +311,7 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
             ahead, self._ahead = self._ahead, None
             _finish(ahead)
         self._idle("clear")
+        self._leaving = set()
         for slot in reversed(range(len(self.rows))):
             self._remove(slot)
 
@@ -543,11 +549,15 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
         return self._views[m]
 
     def _retire_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        done = {o.request_id for o in outputs if o.finished}
+        self._retire({o.request_id for o in outputs if o.finished})
+        return outputs
+
+    def _retire(self, done: set[str]) -> None:
+        if not done:
+            return
         for slot in reversed(range(len(self.rows))):
             if self.rows[slot].request.request_id in done:
                 self._remove(slot)
-        return outputs
 
     def _remove(self, slot: int) -> None:
         last = len(self.rows) - 1

@@ -245,6 +245,7 @@ class Engine:
                 joining, pending = pending[: batch.free_slots], pending[batch.free_slots :]
                 absorb(batch.add_many(joining))
             absorb(batch.step())
+        batch.settle()  # the round ahead of the last finished rows (theirs only): the batch is idle again
         out = [
             GenerationResult(
                 token_ids=tokens[r.request_id], prompt_tokens=len(r.prompt_ids),

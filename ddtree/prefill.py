@@ -143,7 +143,7 @@ class Prefill:
         if self._staging is None:
             self._staging = PrefillStaging(eng.target, eng.drafter if self.ctx is not None else None,
                                            min(GRAPHED_PREFILL_TOKENS, self.max_len), self.spec.draft_window,
-                                           self.max_len, self.device)
+                                           self.cache_len, self.device)  # the batch context's rows
         st = self._staging
         bucket = st.bucket(width)
         st.ids[0, :bucket].copy_(torch.tensor(request.prompt_ids + [0] * (bucket - width), dtype=torch.long))

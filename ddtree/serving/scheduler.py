@@ -460,6 +460,9 @@ class Scheduler:
         left = {r.request_id for r in requests} - {o.request_id for o in first or [] if o.finished}
         while left:
             left -= {o.request_id for o in self.batch.step() if o.finished}
+        settle = getattr(self.batch, "settle", None)
+        if settle is not None:
+            settle()  # the round launched ahead of the last finish (theirs only: nothing to hand out)
 
     def _admit_all(self, tickets: list[_Ticket]) -> None:
         """Prefill the admitted requests together where the batch can (one padded forward, not one each).
@@ -547,10 +550,17 @@ class Scheduler:
 
     def _settle(self, settle: Callable[[], list[StepOutput]], read_at: float) -> float:
         """Collect the round the batch launched ahead and hand it out (its time counted from `read_at`, the
-        read of the round before it); returns when its outputs were read."""
-        outputs = self._collect(settle)
+        read of the round before it); returns when its outputs were read. A round ahead of finished rows only
+        (the thread may have idled since) has no outputs, and is not counted as a served round."""
+        try:
+            outputs = settle()
+        except Exception as err:
+            self._round_failed(err)
+            return time.perf_counter()
         now = time.perf_counter()
-        if outputs is not None:
+        if outputs:
+            self.rounds += 1
+            self.last_round_at = time.monotonic()
             self._hand_out(outputs, now - read_at)
         return now
 

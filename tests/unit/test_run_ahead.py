@@ -1,9 +1,9 @@
 """DecodeBatch.step() running ahead: the next round is launched before this one's tokens are read.
 
 The rounds ahead must change nothing a caller sees: every request's tokens and finish reason equal those of a
-batch that reads each round before launching the next, including requests that stop on a stop token while a
-round ahead is in flight (that round is collected with the step, the stopped row's share dropped), requests
-that join as slots free up, and sampling at T > 0. On the CPU the rounds run as they are launched; the same
+batch that reads each round before launching the next, including requests that finish (a stop token, or
+max_new_tokens) while a round ahead is in flight (they are handed out at once; that round's share for them is
+dropped when it is read), requests that join as slots free up, and sampling at T > 0. On the CPU the rounds run as they are launched; the same
 host logic drives the CUDA graphs (tests/unit/test_engine_paths.py runs the engine's GPU paths).
 """
 
@@ -41,11 +41,11 @@ def _requests(count: int, temperature: float, stops: tuple[int, ...]) -> list[Re
 
 def _drive(batch: DecodeBatch, requests: list[Request]) -> tuple[dict[str, tuple[list[int], str | None]], int]:
     """Run `requests` through `batch` as Engine.generate does (joining as slots free up): each request's tokens
-    and finish reason, and how many steps handed one request two rounds' outputs."""
+    and finish reason, and how many steps handed out a finished request with a round ahead still in flight."""
     pending = list(requests)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     reasons: dict[str, str | None] = {}
-    doubled = 0
+    early = 0
 
     def absorb(outputs: list) -> None:
         for o in outputs:
@@ -60,10 +60,12 @@ def _drive(batch: DecodeBatch, requests: list[Request]) -> tuple[dict[str, tuple
             joining, pending = pending[: batch.free_slots], pending[batch.free_slots:]
             absorb(batch.add_many(joining))
         outputs = batch.step()
-        doubled += any(n > 1 for n in Counter(o.request_id for o in outputs).values())
+        assert all(n == 1 for n in Counter(o.request_id for o in outputs).values()), "one output a request a step"
+        early += batch.round_ahead and any(o.finished for o in outputs)
         absorb(outputs)
-    assert batch._ahead is None, "a batch with no rows has no round ahead"
-    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}, doubled
+    assert batch.settle() == [], "a round ahead of finished rows only has nothing to hand out"
+    assert not batch.round_ahead and not batch.rows
+    return {rid: (tokens[rid], reasons.get(rid)) for rid in tokens}, early
 
 
 def _stop_tokens(engine: Engine, spec: SpecConfig, temperature: float) -> tuple[int, ...]:
@@ -78,8 +80,8 @@ def _stop_tokens(engine: Engine, spec: SpecConfig, temperature: float) -> tuple[
 
 
 def _with_and_without(engine: Engine, spec: SpecConfig, temperature: float) -> dict[bool, tuple]:
-    """Six requests through three slots, with stop tokens, by run_ahead: (outputs, steps that handed one
-    request two rounds, rounds run ahead)."""
+    """Six requests through three slots, with stop tokens, by run_ahead: (outputs, steps that handed out a
+    finished request with a round ahead in flight, rounds run ahead)."""
     stops = _stop_tokens(engine, spec, temperature)
     results = {}
     for run_ahead in (False, True):
@@ -92,13 +94,13 @@ def _with_and_without(engine: Engine, spec: SpecConfig, temperature: float) -> d
 @pytest.mark.parametrize("spec", SPECS)
 def test_rounds_ahead_change_no_output(engine: Engine, spec: SpecConfig, temperature: float) -> None:
     """Six requests through three slots, with stop tokens: the same tokens and reasons with and without the
-    rounds ahead; rounds did run ahead, and a stop with a round in flight handed that round out with the step."""
+    rounds ahead; rounds did run ahead, and rows finished with a round in flight (handed out at once)."""
     results = _with_and_without(engine, spec, temperature)
-    (plain, _, none_ahead), (ahead, doubled, rounds_ahead) = results[False], results[True]
+    (plain, _, none_ahead), (ahead, early, rounds_ahead) = results[False], results[True]
     assert ahead == plain
     assert none_ahead == 0 and rounds_ahead > 0
     assert "stop" in {reason for _, reason in plain.values()} and "length" in {r for _, r in plain.values()}
-    assert doubled > 0, "no row stopped while a round ahead was in flight: the test did not reach that path"
+    assert early > 0, "no row finished while a round ahead was in flight: the test did not reach that path"
 
 
 def test_rounds_ahead_equal_ar_decoding(engine: Engine) -> None:
@@ -144,20 +146,45 @@ def test_a_round_ahead_must_be_settled_before_rows_change(engine: Engine) -> Non
     assert batch.active == 1
 
 
-def test_no_round_ahead_where_it_could_be_wasted_or_mistimed(engine: Engine) -> None:
-    """No round runs ahead when a row may reach max_new_tokens in the round being read, under a profiling
-    timer (exact stage times), with budget auto (which reads its next tree size back with the tokens), or on a
-    batch opened without run_ahead, whatever collect() is asked."""
+@pytest.mark.parametrize("spec", [pytest.param(AR, id="ar"),
+                                  pytest.param(SpecConfig(budget=4, topk=2, block_size=4), id="b4-k2-bs4")])
+def test_a_row_that_reaches_max_new_tokens_leaves_with_the_round_ahead(engine: Engine, spec: SpecConfig) -> None:
+    """A row that reaches max_new_tokens is handed out at once, with the round after it in flight: it no longer
+    counts as active, and leaves when that round is settled. A request that fills the whole context runs its
+    rounds ahead to the end within the caches' room (the eager bounds check would refuse a write past it)."""
+    short = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
+    short.add_many([Request("0", [3, 4, 5], 2)])  # 1 token left after the prefill's: the next round ends it
+    done = short.step()
+    assert [o.finish_reason for o in done] == ["length"] and short.round_ahead and short.rounds_run_ahead == 1
+    assert short.active == 0 and short.free_slots == 2 and len(short.rows) == 1
+    with pytest.raises(RuntimeError, match=r"settle\(\) first"):
+        short.add_many([Request("1", [5], 3)])
+    assert short.settle() == [] and not short.rows and not short.round_ahead
+    _fill_the_context(engine, spec)
+
+
+def _fill_the_context(engine: Engine, spec: SpecConfig, max_len: int = 48) -> None:
+    """Two requests as long as validate() allows (prompt + max_new_tokens = max_len - the tree's nodes), run
+    with and without rounds ahead: the same tokens, every one of them."""
+    context = max_len - spec.max_nodes
+    full = [Request(str(i), p[:6], context - len(p[:6])) for i, p in enumerate(prompts(2, seed=5))]
+    got = {}
+    for run_ahead in (False, True):
+        batch = engine.open_batch(spec, max_batch=2, max_len=max_len, profile=False, run_ahead=run_ahead)
+        got[run_ahead], _ = _drive(batch, full)
+        assert batch.rounds_run_ahead > 0 if run_ahead else batch.rounds_run_ahead == 0
+    assert got[True] == got[False] and all(len(toks) == r.max_new_tokens for r, (toks, _) in zip(full, got[True].values()))
+
+
+def test_no_round_ahead_where_it_could_be_mistimed(engine: Engine) -> None:
+    """No round runs ahead under a profiling timer (exact stage times), with budget auto (which reads its next
+    tree size back with the tokens), or on a batch opened without run_ahead, whatever collect() is asked."""
     spec = SpecConfig(budget=4, topk=2, block_size=4)
     off = engine.open_batch(spec, max_batch=2, max_len=200, profile=False, run_ahead=False)
     off.add_many(_requests(2, 0.0, ()))
     off.launch()
     off.collect(run_ahead=True)
     assert not off.round_ahead and off.rounds_run_ahead == 0
-    short = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
-    short.add_many([Request("0", [3, 4, 5], 4)])  # 3 tokens left after the prefill's: within one round's 4
-    short.step()
-    assert short.rounds_run_ahead == 0
     for batch in (engine.open_batch(spec, max_batch=2, max_len=200, profile=True),
                   engine.open_batch(SpecConfig(budget="auto", max_budget=4, topk=2, block_size=4), max_batch=2,
                                     max_len=200, profile=False)):
@@ -176,8 +203,9 @@ def test_graphed_rounds_ahead_change_no_output(spec: SpecConfig) -> None:
                   cuda_graphs=True)
     for temperature in (0.0, 0.8):
         results = _with_and_without(cuda, spec, temperature)
-        (plain, _, _), (ahead, doubled, rounds_ahead) = results[False], results[True]
-        assert ahead == plain and rounds_ahead > 0 and doubled > 0
+        (plain, _, _), (ahead, early, rounds_ahead) = results[False], results[True]
+        assert ahead == plain and rounds_ahead > 0 and early > 0
+    _fill_the_context(cuda, spec)  # a round ahead writes past max_len into the caches' room, not another row
     batch = cuda.open_batch(spec, max_batch=3, max_len=200, profile=False)
     batch.add_many(_requests(3, 0.0, ()))
     assert round_syncs(batch, rounds=3, warmup_rounds=2) == [1, 1, 1]

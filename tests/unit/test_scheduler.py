@@ -4,6 +4,7 @@ nothing a request sees changes for it (order, finish against cancel, failures, m
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -73,14 +74,17 @@ class SplitBatch(hve.EmulatedBatch):
 
 class AheadBatch(SplitBatch):
     """A SplitBatch that runs ahead as DecodeBatch does: collect(run_ahead=True) launches the next round before
-    it returns ("ahead", k) unless a row finished or may finish in it; launch() then takes that round ("take",
-    k) and settle() collects it ("settle", k). Rows may not join or leave while a round is ahead."""
+    it returns ("ahead", k), unless rows finished in the round before it; launch() then takes that round
+    ("take", k) and settle() collects it ("settle", k). A row that finishes is handed out at once (the emulation
+    drops it at once: its share of the round ahead is never seen). Rows may not join or leave while a round is
+    ahead."""
 
     run_ahead = True
 
     def __init__(self, max_batch: int = 4, tokens: int = 1) -> None:
         super().__init__(max_batch, tokens)
         self.ahead = False
+        self.leaving: set[str] = set()
 
     @property
     def round_ahead(self) -> bool:
@@ -94,10 +98,12 @@ class AheadBatch(SplitBatch):
         self.log.append(("take", self.collected))
 
     def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        leaving, self.leaving = self.leaving, set()
+        had_rows = bool(self.rows)
         outputs = super().collect()
-        room = all(len(out) + self.tokens_per_round < req.max_new_tokens for req, out, _ in self.rows.values())
-        if run_ahead and self.rows and room and not any(o.finished for o in outputs):
+        if run_ahead and had_rows and not leaving:
             self.ahead = True
+            self.leaving = {o.request_id for o in outputs if o.finished}
             self.log.append(("ahead", self.collected))
         return outputs
 
@@ -106,7 +112,7 @@ class AheadBatch(SplitBatch):
             return []
         self.ahead, self.launched = False, True
         self.log.append(("settle", self.collected))
-        return super().collect()
+        return self.collect()
 
     def add_many(self, requests):  # type: ignore[no-untyped-def]
         assert not self.ahead, "prefill while a round is ahead"
@@ -168,7 +174,8 @@ def test_a_round_is_handed_out_while_the_next_one_runs() -> None:
 
 def test_a_batch_that_runs_ahead_has_its_next_round_in_flight_when_a_round_is_handed_out() -> None:
     """Each collect launches the next round before it returns; the next launch takes it, and the round's
-    outputs are handed out while it runs; the last rounds (a row may finish in them) are not run ahead."""
+    outputs are handed out while it runs. The request's last tokens go out at once, with the round ahead of
+    them still in flight; at the stop that round is settled, with nothing to hand out and no round counted."""
     batch = AheadBatch()
     events = Events(["a"], batch.log)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None)
@@ -176,9 +183,30 @@ def test_a_batch_that_runs_ahead_has_its_next_round_in_flight_when_a_round_is_ha
     assert events.tokens("a") == [1, 2, 3, 1, 2]
     assert batch.log == [("event", "a"), ("launch", 0), ("collect", 0), ("ahead", 1),
                          ("take", 1), ("event", "a"), ("collect", 1), ("ahead", 2),
-                         ("take", 2), ("event", "a"), ("collect", 2),
-                         ("launch", 3), ("event", "a"), ("collect", 3), ("event", "a")]
+                         ("take", 2), ("event", "a"), ("collect", 2), ("ahead", 3),
+                         ("take", 3), ("event", "a"), ("collect", 3), ("ahead", 4), ("event", "a"),
+                         ("settle", 4), ("collect", 4)]
     assert sched.rounds == 4 and sched.metrics.rounds._value.get() == 4  # type: ignore[attr-defined]
+
+
+def test_an_arrival_after_an_idle_spell_settles_the_round_ahead_uncounted() -> None:
+    """A request finishes with the round ahead of it in flight; the thread idles; the next arrival settles that
+    round first (nothing to hand out), and neither the round nor the idle time counts as a served round."""
+    batch = AheadBatch()
+    events, later = Events(["a"]), Events(["b"])
+    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
+    sched.submit(Request("a", [1, 2, 3], 3, ignore_eos=True), events.sink("a"))
+    sched.start()
+    try:
+        assert events.done.wait(30) and events.tokens("a") == [1, 2, 3]
+        time.sleep(0.3)
+        assert batch.ahead and not batch.rows
+        sched.submit(Request("b", [4, 5], 2, ignore_eos=True), later.sink("b"))
+        assert later.done.wait(30) and later.tokens("b") == [4, 5]
+    finally:
+        sched.stop()
+    assert ("settle", 2) in batch.log and sched.rounds == 3  # a's rounds 0 and 1, b's one round
+    assert sched.metrics.round_seconds._value.get() < 0.25  # type: ignore[attr-defined]
 
 
 def test_a_round_ahead_is_settled_and_handed_out_before_a_cancel() -> None:
