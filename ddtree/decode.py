@@ -280,10 +280,15 @@ class DecodeBatch(Prefill, GraphedRounds, RoundCosts, SlotSampling):
 
     def _may_run_ahead(self) -> bool:
         """Whether the next round may be launched before the launched one is read: a fixed tree size (budget
-        auto reads its next size back with the tokens) and no per-stage profiling. A row that reaches its
-        max_new_tokens in the launched round is in the round ahead too: the caches' room past max_len holds
-        that round's tree."""
-        return not (self.timer.sync or self.cost_model is not None or not self.rows)
+        auto reads its next size back with the tokens), no per-stage profiling, and a row that the launched
+        round cannot finish by length (its max_new_tokens): a round ahead for rows that all end in the round
+        before it would be all waste, and at batch 1 the next request's prefill would wait for it. A row that
+        reaches its max_new_tokens in the launched round is in the round ahead too: the caches' room past
+        max_len holds that round's tree."""
+        if self.timer.sync or self.cost_model is not None:
+            return False
+        most = self.spec.block_size if self.spec.speculative else 1  # tokens a round commits for a row, at most
+        return any(row.request.max_new_tokens - len(row.output) > most for row in self.rows)
 
     def _launch_ahead(self) -> Generator[None, None, list[StepOutput]]:
         """Launch the round after the launched one (its inputs are on the device already; host bounds of the

@@ -184,7 +184,7 @@ def _join_one_by_one(b: DecodeBatch, batch: list[list[int]], lengths: list[int])
     got: dict[str, list[int]] = {r.request_id: [] for r in pending}
     while pending or b.active:
         while pending and b.free_slots:
-            for o in b.add(pending.pop(0)):
+            for o in b.settle() + b.add(pending.pop(0)):  # a round run ahead comes back before anyone joins
                 got[o.request_id] += o.new_token_ids
         for o in b.step():
             got[o.request_id] += o.new_token_ids

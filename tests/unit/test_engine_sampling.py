@@ -49,6 +49,7 @@ def run_batch(b: DecodeBatch, reqs: list[Request], one_by_one: bool = False) -> 
     while pending or b.active:
         if pending and b.free_slots:
             take = 1 if one_by_one else b.free_slots
+            absorb(b.settle())  # a round run ahead comes back before anyone joins
             absorb(b.add_many(pending[:take]))
             pending = pending[take:]
         absorb(b.step())

@@ -149,17 +149,22 @@ def test_a_round_ahead_must_be_settled_before_rows_change(engine: Engine) -> Non
 @pytest.mark.parametrize("spec", [pytest.param(AR, id="ar"),
                                   pytest.param(SpecConfig(budget=4, topk=2, block_size=4), id="b4-k2-bs4")])
 def test_a_row_that_reaches_max_new_tokens_leaves_with_the_round_ahead(engine: Engine, spec: SpecConfig) -> None:
-    """A row that reaches max_new_tokens is handed out at once, with the round after it in flight: it no longer
-    counts as active, and leaves when that round is settled. A request that fills the whole context runs its
-    rounds ahead to the end within the caches' room (the eager bounds check would refuse a write past it)."""
+    """A row that reaches max_new_tokens beside one that runs on is handed out at once, with the round after
+    it in flight: it no longer counts as active, and leaves when that round is settled. Where every row may end
+    in the round, none runs ahead. Requests that fill the whole context run rounds ahead to the end within the
+    caches' room (the eager bounds check would refuse a write past it)."""
     short = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
-    short.add_many([Request("0", [3, 4, 5], 2)])  # 1 token left after the prefill's: the next round ends it
+    short.add_many([Request("0", [3, 4, 5], 2), Request("1", [6, 7], 40)])  # "0": the next round ends it
     done = short.step()
-    assert [o.finish_reason for o in done] == ["length"] and short.round_ahead and short.rounds_run_ahead == 1
-    assert short.active == 0 and short.free_slots == 2 and len(short.rows) == 1
+    assert {o.request_id: o.finish_reason for o in done} == {"0": "length", "1": None}
+    assert short.round_ahead and short.rounds_run_ahead == 1
+    assert short.active == 1 and short.free_slots == 1 and len(short.rows) == 2
     with pytest.raises(RuntimeError, match=r"settle\(\) first"):
-        short.add_many([Request("1", [5], 3)])
-    assert short.settle() == [] and not short.rows and not short.round_ahead
+        short.add_many([Request("2", [5], 3)])
+    assert [o.request_id for o in short.settle()] == ["1"] and len(short.rows) == 1 and not short.round_ahead
+    alone = engine.open_batch(spec, max_batch=2, max_len=200, profile=False)
+    alone.add_many([Request("0", [3, 4, 5], 2)])  # every row ends in the round: none runs ahead (all waste)
+    assert [o.finish_reason for o in alone.step()] == ["length"] and not alone.round_ahead and not alone.rows
     _fill_the_context(engine, spec)
 
 
