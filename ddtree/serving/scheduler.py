@@ -315,7 +315,8 @@ class Scheduler:
         collect = getattr(batch, "collect", None)
         split = launch is not None and collect is not None
         settle = getattr(batch, "settle", None)
-        # a batch that runs ahead (DecodeBatch's run_ahead) launches round N + 1 inside round N's collect
+        # a batch that runs ahead (DecodeBatch's run_ahead) launches round N + 1 inside round N's collect;
+        # one seen through step() alone may run ahead inside step() (either is settled before rows change)
         ahead = split and settle is not None and getattr(batch, "run_ahead", False)
         collect_round = functools.partial(collect, run_ahead=True) if ahead else collect
         held: tuple[list[StepOutput], float] | None = None  # the last round's outputs, and its seconds
@@ -348,7 +349,7 @@ class Scheduler:
             if held is not None and (cancels or admit):
                 self._hand_out(*held)  # before the cancels and the prefills, as they came
                 held = None
-            if ahead and (cancels or admit) and batch.round_ahead:  # type: ignore[attr-defined]
+            if (cancels or admit) and settle is not None and getattr(batch, "round_ahead", False):
                 read_at = self._settle(settle, read_at)  # rows join or leave with no round in flight
             if cancels:
                 for request_id in cancels:
@@ -386,7 +387,7 @@ class Scheduler:
                     held = (outputs, read_at - started)
         if held is not None:
             self._hand_out(*held)
-        if ahead and batch.round_ahead:  # type: ignore[attr-defined]
+        if settle is not None and getattr(batch, "round_ahead", False):
             self._settle(settle, read_at)
         for request_id in list(self._running):
             self._cancel_running(request_id)

@@ -439,6 +439,31 @@ def test_served_rounds_run_ahead_equal_ar_at_t0(engine: Engine, config: str) -> 
     assert batch.rounds_run_ahead > 0 and not batch.round_ahead and not batch.rows
 
 
+def test_a_batch_seen_through_step_alone_is_settled_before_rows_join(engine: Engine) -> None:
+    """A batch whose step() runs ahead, seen without launch/collect (ddtree.bench.round_overhead's "no overlap"
+    mode): a request that arrives while another runs joins after the round step() left in flight is settled;
+    both get AR's tokens."""
+    from ddtree.bench.round_overhead import StepOnly
+
+    texts = prompts(2, seed=43)
+    ref = engine.generate(texts, 60, spec=AR)
+    batch = engine.open_batch(SpecConfig.from_id("b8-k4-w2048-bs8"), max_batch=2, max_len=160, profile=False)
+    events = Events(["0", "1"])
+    sched = Scheduler(StepOnly(batch), max_running=2, switch_interval_s=None)
+    sched.submit(Request("0", texts[0], 60), events.sink("0"))
+    sched.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(events.got["0"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        sched.submit(Request("1", texts[1], 6), events.sink("1"))  # "0" has rounds to go: one is in flight
+        assert events.done.wait(120)
+    finally:
+        sched.stop()
+    assert [events.tokens("0"), events.tokens("1")] == [ref[0].token_ids, ref[1].token_ids[:6]]
+    assert batch.rounds_run_ahead > 0 and not batch.round_ahead
+
+
 def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> None:
     """ddtree.bench.round_overhead: in process, served (overlapped) and served one round at a time give
     every request the same tokens, and each mode's rounds are timed."""
