@@ -212,34 +212,53 @@ def test_an_arrival_after_an_idle_spell_settles_the_round_ahead_uncounted() -> N
     assert sched.metrics.round_seconds._value.get() < 0.25  # type: ignore[attr-defined]
 
 
-def test_a_round_ahead_is_settled_and_handed_out_before_a_cancel() -> None:
-    """The cancel lands while round 1 runs, round 2 already launched ahead: round 1's outputs, then round 2's
-    (settled), then the abort; the row leaves before round 3, and the other row runs on."""
-    batch = AheadBatch()
+CANCEL_AROUND = {  # the log from round 1's collect on, around the cancel (its index: the first number)
+    # the batch drops the row before round 2 is launched; round 1's outputs go out before the abort
+    "split": (1, [("collect", 1), ("cancel", "a"), ("launch", 2), ("event", "a"), ("event", "b"), ("event", "a")]),
+    # round 2, launched ahead, is settled first; round 1's outputs, then round 2's, then the abort
+    "ahead": (4, [("collect", 1), ("ahead", 2), ("settle", 2), ("collect", 2), ("cancel", "a"), ("launch", 3),
+                  ("event", "a"), ("event", "b"), ("event", "a"), ("event", "b"), ("event", "a")]),
+}
+
+
+@pytest.mark.parametrize(("kind", "b_len"), [("split", 5), ("ahead", 9)])
+def test_a_cancel_gets_the_rounds_before_it_then_abort_and_leaves_the_batch(kind: str, b_len: int) -> None:
+    """The cancel lands while round 1 runs (with round 2 launched ahead, on a batch that runs ahead): "a" gets
+    every round before the row leaves, then the abort; the other row runs on."""
+    batch = SplitBatch() if kind == "split" else AheadBatch()
     events = Events(["a", "b"], batch.log)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None)
     batch.on_collect = lambda k: sched.cancel("a") if k == 1 else None
-    run(sched, events, [Request("a", [1, 2], 50, ignore_eos=True), Request("b", [4, 5], 9, ignore_eos=True)])
-    assert [len(ev.new_token_ids) for ev in events.got["a"]] == [1, 1, 1, 1, 0]  # prefill, rounds 0-2, abort
+    run(sched, events, [Request("a", [1, 2], 50, ignore_eos=True), Request("b", [4, 5], b_len, ignore_eos=True)])
+    before, around = CANCEL_AROUND[kind]
+    rounds = 2 if kind == "split" else 3  # rounds 0 and 1, and the one settled
+    assert [len(ev.new_token_ids) for ev in events.got["a"]] == [1] * (1 + rounds) + [0]  # prefill ... abort
     assert events.last("a").finish_reason == "abort"  # type: ignore[union-attr]
     i = batch.log.index(("cancel", "a"))
-    assert batch.log[i - 4:i + 7] == [("collect", 1), ("ahead", 2), ("settle", 2), ("collect", 2),
-                                      ("cancel", "a"), ("launch", 3), ("event", "a"), ("event", "b"),
-                                      ("event", "a"), ("event", "b"), ("event", "a")]
-    assert events.tokens("b") == [4, 5, 4, 5, 4, 5, 4, 5, 4]
+    assert batch.log[i - before:i - before + len(around)] == around
+    assert events.tokens("b") == ([4, 5] * 5)[:b_len]
 
 
-def test_an_arrival_joins_a_batch_that_runs_ahead_after_the_round_ahead_is_handed_out() -> None:
-    batch = AheadBatch()
+ARRIVAL_AROUND = {  # the log around the late request's first token: (entries before it, the window)
+    "split": (2, [("collect", 0), ("event", "a"), ("event", "late"), ("launch", 1)]),
+    # round 1, launched ahead, is settled and handed out before "late" is prefilled
+    "ahead": (6, [("collect", 0), ("ahead", 1), ("settle", 1), ("collect", 1), ("event", "a"), ("event", "a"),
+                  ("event", "late"), ("launch", 2)]),
+}
+
+
+@pytest.mark.parametrize(("kind", "a_len"), [("split", 4), ("ahead", 9)])
+def test_an_arrival_joins_after_the_rounds_before_it_are_handed_out(kind: str, a_len: int) -> None:
+    batch = SplitBatch() if kind == "split" else AheadBatch()
     events = Events(["a", "late"], batch.log)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None, burst_gap_s=0)  # no burst held back
     batch.on_collect = lambda k: sched.submit(Request("late", [7, 8, 9], 2, ignore_eos=True),
                                               events.sink("late")) if k == 0 else None
-    run(sched, events, [Request("a", [1, 2], 9, ignore_eos=True)])
-    assert events.tokens("late") == [7, 8] and events.tokens("a") == [1, 2, 1, 2, 1, 2, 1, 2, 1]
+    run(sched, events, [Request("a", [1, 2], a_len, ignore_eos=True)])
+    assert events.tokens("late") == [7, 8] and events.tokens("a") == ([1, 2] * 5)[:a_len]
+    before, around = ARRIVAL_AROUND[kind]
     i = batch.log.index(("event", "late"))  # its first token, from the prefill
-    assert batch.log[i - 6:i + 2] == [("collect", 0), ("ahead", 1), ("settle", 1), ("collect", 1),
-                                      ("event", "a"), ("event", "a"), ("event", "late"), ("launch", 2)]
+    assert batch.log[i - before:i - before + len(around)] == around
 
 
 def test_stop_settles_the_round_ahead_then_aborts() -> None:
@@ -269,33 +288,6 @@ def test_a_request_that_finished_is_not_reported_as_cancelled_after_it() -> None
     assert events.tokens("b") == [4, 5, 4, 5, 4, 5]
     assert sched.metrics.requests.labels(outcome="length")._value.get() == 2  # type: ignore[attr-defined]
     assert sched.metrics.requests.labels(outcome="abort")._value.get() == 0  # type: ignore[attr-defined]
-
-
-def test_a_cancel_gets_the_rounds_before_it_then_abort_and_leaves_the_batch() -> None:
-    batch = SplitBatch()
-    events = Events(["a", "b"], batch.log)
-    sched = Scheduler(batch, max_running=4, switch_interval_s=None)
-    batch.on_collect = lambda k: sched.cancel("a") if k == 1 else None
-    run(sched, events, [Request("a", [1, 2], 50, ignore_eos=True), Request("b", [4, 5], 5, ignore_eos=True)])
-    assert [len(ev.new_token_ids) for ev in events.got["a"]] == [1, 1, 1, 0]  # prefill, rounds 0 and 1, abort
-    assert events.last("a").finish_reason == "abort"  # type: ignore[union-attr]
-    # the batch drops the row before round 2 is launched; round 1's outputs go out before the abort
-    i = batch.log.index(("cancel", "a"))
-    assert batch.log[i - 1:i + 5] == [("collect", 1), ("cancel", "a"), ("launch", 2),
-                                      ("event", "a"), ("event", "b"), ("event", "a")]
-    assert events.tokens("b") == [4, 5, 4, 5, 4]
-
-
-def test_an_arrival_joins_after_the_rounds_before_it_are_handed_out() -> None:
-    batch = SplitBatch()
-    events = Events(["a", "late"], batch.log)
-    sched = Scheduler(batch, max_running=4, switch_interval_s=None, burst_gap_s=0)  # no burst held back
-    batch.on_collect = lambda k: sched.submit(Request("late", [7, 8, 9], 2, ignore_eos=True),
-                                              events.sink("late")) if k == 0 else None
-    run(sched, events, [Request("a", [1, 2], 4, ignore_eos=True)])
-    assert events.tokens("late") == [7, 8] and events.tokens("a") == [1, 2, 1, 2]
-    i = batch.log.index(("event", "late"))  # its first token, from the prefill
-    assert batch.log[i - 2:i + 2] == [("collect", 0), ("event", "a"), ("event", "late"), ("launch", 1)]
 
 
 @pytest.mark.parametrize("where", ["launch", "collect"])
