@@ -44,6 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.normalise import comparable, normalised
 from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
 
 BASELINE_JSON = "baseline.json"
@@ -367,6 +368,7 @@ class Comparison:
     gates: list[GateDelta] = field(default_factory=list)
     shifts: list[Shift] = field(default_factory=list)  # all cells first, then per config
     noise: float = 0.0  # one side's relative tok/s sigma used for the spreads
+    pace_probe: str | None = None  # tok/s compared pace-normalised by this probe's readings (None: absolute)
 
     @property
     def shift_regressions(self) -> list[Shift]:
@@ -395,6 +397,8 @@ class Comparison:
             if self.baseline.get(what) != self.current.get(what):
                 notes.append(f"{name} differs: baseline {self.baseline.get(what)}, now {self.current.get(what)}"
                              + (" (compared anyway)" if what == "gpu" else ""))
+        notes.append(f"tok/s compared pace-normalised (tok/s / pace, probe {self.pace_probe})" if self.pace_probe
+                     else "tok/s compared in absolute terms (the two runs' cells do not all carry one probe's pace)")
         return notes
 
     def failures(self) -> list[str]:
@@ -436,6 +440,9 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
     """Compare two runs' cells (and gate records) cell by cell; see the module docstring."""
     check_tolerance(tolerance, "baseline")
     out = Comparison(tolerance, baseline_path, run_identity(baseline), run_identity(current))
+    out.pace_probe = comparable(current, baseline)
+    if out.pace_probe:  # the machine's pace out of the ratio: both sides in tok/s per unit of pace
+        current, baseline = [normalised(c) for c in current], [normalised(c) for c in baseline]
     base = {cell_key(c): c for c in baseline}
     cur = {cell_key(c): c for c in current}
     pairs = [(cur[k], base[k]) for k in cur if k in base]

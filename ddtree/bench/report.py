@@ -46,6 +46,7 @@ from ddtree.bench.results import (
     write_restore,
     write_summary_csv,
 )
+from ddtree.bench.verdicts import pace_lines, read_verdicts, verdict_lines
 from ddtree.config import DEFAULT_SPEC
 
 SUMMARY_MD = "sweep_summary.md"
@@ -164,15 +165,18 @@ def _quality(cell: CellResult) -> str:
 def _table(cells: Sequence[CellResult], default_id: str, comparison: Comparison | None = None) -> list[str]:
     extra = (" vs baseline |", "---|") if comparison else ("", "")
     lines = [
-        "| config | output tok/s (median ± MAD) | TPOT ms | TTFT ms | accept len | coding pass@k | failed |" + extra[0],
-        "|---|---|---|---|---|---|---|" + extra[1],
+        "| config | output tok/s (median ± MAD) | pace | tok/s / pace | x AR | TPOT ms | TTFT ms | accept len "
+        "| coding pass@k | failed |" + extra[0],
+        "|---|---|---|---|---|---|---|---|---|---|" + extra[1],
     ]
     ranked = sorted(cells, key=lambda c: (-(c.metrics.get("output_throughput") or 0.0), c.config_id))
     for c in ranked:
         name = f"**{c.config_id}** (default)" if c.config_id == default_id else c.config_id
         m = c.metrics
         lines.append(
-            f"| {name} | {_pm(m, 'output_throughput')} | {_pm(m, 'median_tpot_ms', 2)} | "
+            f"| {name} | {_pm(m, 'output_throughput')} | {_num((c.pace or {}).get('score'), 3)} | "
+            f"{_num(m.get('pace_normalized_throughput'))} | {_num(m.get('speedup_vs_ar'), 2)} | "
+            f"{_pm(m, 'median_tpot_ms', 2)} | "
             f"{_pm(m, 'median_ttft_ms')} | {_num(m.get('accept_length'), 2)} | {_quality(c)} | "
             f"{m.get('failed', 0)}/{(m.get('completed') or 0) + (m.get('failed') or 0)} |"
             + (f" {comparison.column(cell_key(c))} |" if comparison else "")
@@ -195,8 +199,10 @@ def restore_line(restore: dict[str, Any] | None) -> str:
 
 
 def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[str, Any] | None,
-                   comparison: Comparison | None = None, baseline: dict[str, Any] | None = None) -> str:
-    """The summary; with a `comparison` (and its baseline.json `baseline`) a vs-baseline part too."""
+                   comparison: Comparison | None = None, baseline: dict[str, Any] | None = None,
+                   verdicts: Sequence[str] = ()) -> str:
+    """The summary; with a `comparison` (and its baseline.json `baseline`) a vs-baseline part too;
+    `verdicts`: the "Pace and verdicts" lines (ddtree.bench.verdicts)."""
     lines = ["# Sweep summary", ""]
     if not cells:
         return "\n".join([*lines, "No cells were measured.", "", restore_line(restore), "",
@@ -225,7 +231,10 @@ def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[s
     else:
         note = "keep the current default" if recommended == default_id else f"replaces {default_id}"
         lines.append(f"- Recommended default: **{recommended}** ({note})")
-    lines += ["", restore_line(restore), "", *_baseline_part(comparison, baseline)]
+    lines += ["", restore_line(restore), ""]
+    if verdicts:
+        lines += ["## Pace and verdicts", "", *verdicts, ""]
+    lines += _baseline_part(comparison, baseline)
     groups: dict[tuple[int, int], list[CellResult]] = defaultdict(list)
     for c in cells:
         groups[(c.context, c.concurrency)].append(c)
@@ -274,8 +283,9 @@ def write_sweep_summary(results_dir: str | Path, default_config_id: str,
     if restore is not None:
         write_restore(results_dir, restore)
     comparison, record = baseline_comparison(Path(results_dir))
-    text = render_summary(with_quality(results_dir, read_cells(results_dir)), default_config_id, restore,
-                          comparison, record)
+    cells = with_quality(results_dir, read_cells(results_dir))
+    verdicts = pace_lines(cells, results_dir) + verdict_lines(read_verdicts(results_dir))
+    text = render_summary(cells, default_config_id, restore, comparison, record, verdicts)
     path = Path(results_dir) / SUMMARY_MD
     atomic_write_text(path, text)
     return path

@@ -34,6 +34,7 @@ CELLS_DIR = "cells"
 SUMMARY_CSV = "summary.csv"
 RESTORE_JSON = "restore.json"
 QUALITY_DIR = "quality"  # quality/<config id>.json, written by the coding gate
+PACE_DIR = "pace"  # pace/<worker>.json: the pace probe's readings (ddtree.suite.pace)
 
 
 @dataclass
@@ -56,20 +57,21 @@ class CellResult:
     schema_version: int = SCHEMA_VERSION
     client: dict[str, Any] = field(default_factory=dict)  # max_new_tokens, num_prompts, ...
     quality: dict[str, Any] | None = None  # {pass_at_k, k, n, problems}
+    pace: dict[str, Any] | None = None  # {probe, score, readings, per_repeat, where}: the machine's pace around it
 
     @classmethod
     def build(cls, *, config_id: str, spec: dict[str, Any], context: int, concurrency: int,
               per_repeat: list[dict[str, Any]], backend: str, started_at: str,
               finished_at: str | None = None, client: dict[str, Any] | None = None,
               quality: dict[str, Any] | None = None, repo_dir: str | Path | None = None,
-              ) -> CellResult:
+              pace: dict[str, Any] | None = None) -> CellResult:
         """A cell from its repeat summaries, filling metrics, machine, GPU and commit."""
         return cls(
             config_id=config_id, spec=dict(spec), context=context, concurrency=concurrency,
             repeats=len(per_repeat), metrics=summarize_cell(per_repeat),
             per_repeat=list(per_repeat), machine=machine_info(), gpu=gpu_name(),
             commit=git_commit(repo_dir), backend=backend, started_at=started_at,
-            finished_at=finished_at or now_iso(), client=dict(client or {}), quality=quality,
+            finished_at=finished_at or now_iso(), client=dict(client or {}), quality=quality, pace=pace,
         )
 
     @property
@@ -201,10 +203,10 @@ CSV_METRICS = (
     "median_tpot_ms", "median_tpot_ms_mad", "p90_tpot_ms", "p99_tpot_ms",
     "median_ttft_ms", "median_ttft_ms_mad", "p90_ttft_ms", "p99_ttft_ms",
     "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms", "median_itl_ms",
-    "accept_length", "accept_length_mad",
+    "accept_length", "accept_length_mad", "pace_normalized_throughput", "speedup_vs_ar",
 )
 CSV_COLUMNS = ("config_id", *CSV_SPEC, "context", "concurrency", "repeats", *CSV_METRICS,
-               "pass_at_k", "k", "backend", "gpu", "commit", "finished_at")
+               "pace", "pace_probe", "pass_at_k", "k", "backend", "gpu", "commit", "finished_at")
 
 
 def cell_row(cell: CellResult) -> dict[str, Any]:
@@ -213,7 +215,9 @@ def cell_row(cell: CellResult) -> dict[str, Any]:
                            "concurrency": cell.concurrency, "repeats": cell.repeats}
     row.update({k: cell.spec.get(k) for k in CSV_SPEC})
     row.update({k: cell.metrics.get(k) for k in CSV_METRICS})
-    row.update({"pass_at_k": quality.get("pass_at_k"), "k": quality.get("k"),
+    pace = cell.pace or {}
+    row.update({"pace": pace.get("score"), "pace_probe": pace.get("probe"),
+                "pass_at_k": quality.get("pass_at_k"), "k": quality.get("k"),
                 "backend": cell.backend, "gpu": cell.gpu, "commit": cell.commit,
                 "finished_at": cell.finished_at})
     return row
@@ -260,3 +264,17 @@ def read_quality(results_dir: str | Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"{path}: not a readable quality record ({err})") from err
         gates[str(record.get("config_id", path.stem))] = record
     return gates
+
+
+def read_pace_logs(results_dir: str | Path) -> list[dict[str, Any]]:
+    """Every pace log of a run (pace/<worker>.json, one per xdist worker); unreadable ones are skipped."""
+    folder = Path(results_dir) / PACE_DIR
+    logs = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.name.startswith("."):
+            continue
+        try:
+            logs.append({"file": path.name, **json.loads(path.read_text(encoding="utf-8"))})
+        except (OSError, json.JSONDecodeError):
+            continue
+    return logs

@@ -316,6 +316,10 @@ class SystemdBackend:
         config = ["-F", str(self.ssh_config)] if self.ssh_config else []  # port, identity, known hosts
         return ["ssh", "-o", "BatchMode=yes", *config, self.ssh_host, shlex.join(argv)]
 
+    def host_command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` as run on the unit's host as the ssh user (through ssh when the host is remote)."""
+        return self._argv(argv)
+
     def _privileged(self) -> bool:
         """Whether root's commands need `sudo -n`: no for root, yes for anyone else whose sudo
         works without a password; otherwise a ServiceError before anything is changed."""

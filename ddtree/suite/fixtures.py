@@ -22,7 +22,9 @@ from ddtree.config import SpecConfig
 from ddtree.grid import Cell
 from ddtree.service.manager import ServiceManager, SweepAborted
 from ddtree.suite.cells import CELL_ARG, item_spec
+from ddtree.bench.results import PACE_DIR
 from ddtree.suite.options import SuiteOptions, worker_index
+from ddtree.suite.pace import PaceLog, PaceProbe, local_argv, standalone_argv
 from ddtree.suite.state import suite_options, suite_state
 
 BUILD_HINT = ("build the fixture pair first with `ddtree train corpus ...` then `ddtree train all ...` "
@@ -93,14 +95,17 @@ def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
     return LocalBackend(options.model_path, options.draft_model_path, device=options.device, **common)
 
 
-def cell_progress(config: pytest.Config, cell: Cell, metrics: dict[str, Any]) -> None:
-    """One line per measured cell: position, id, throughput, TPOT, acceptance, request counts."""
+def cell_progress(config: pytest.Config, cell: Cell, metrics: dict[str, Any], pace: float | None = None) -> None:
+    """One line per measured cell: position, id, throughput, pace, TPOT, acceptance, request counts."""
     state = suite_state(config)
     state.measured += 1
     accept = metrics.get("accept_length")
+    speedup = metrics.get("speedup_vs_ar")
     line = (
         f"[{state.measured}/{len(state.expansion.kept)}] {cell.id}: "
         f"{metrics.get('output_throughput') or 0:.1f} tok/s (MAD {metrics.get('output_throughput_mad') or 0:.1f}), "
+        f"pace {'-' if pace is None else f'{pace:.3f}'}"
+        f"{'' if speedup is None else f', {speedup:.2f}x AR'}, "
         f"TPOT {metrics.get('median_tpot_ms') or 0:.1f} ms, "
         f"accept {'-' if accept is None else f'{accept:.2f}'}, "
         f"{metrics.get('completed', 0)} ok / {metrics.get('failed', 0)} failed"
@@ -137,6 +142,30 @@ def service(request: pytest.FixtureRequest) -> Iterator[ServiceManager]:
     finally:
         state.restore = restore_record(manager)
         log(f"[{backend.name}] deploys this session: {manager.deploy_count}; {manager.restore_outcome}")
+
+
+def pace_log(options: SuiteOptions, backend: Any) -> PaceLog:
+    """The pace log of this session: a probe where the service runs (see ddtree.suite.pace)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = options.results_dir / PACE_DIR / f"{worker}.json"
+    device = options.device
+    if options.service == "systemd" and backend.ssh_host:
+        return PaceLog(path, f"{backend.ssh_host} (over ssh)",
+                       lambda: PaceProbe(backend.host_command(standalone_argv(device)), backend.ssh_host))
+    where = "this machine (the client's: a URL's host is not reachable)" if options.service == "url" else "this machine"
+    return PaceLog(path, where, lambda: PaceProbe(local_argv(device), "this machine"))
+
+
+@pytest.fixture(scope="session")
+def pace(request: pytest.FixtureRequest, service: ServiceManager) -> Iterator[PaceLog]:
+    """The session's pace readings; a last reading at the end of the session goes into the log."""
+    log = pace_log(suite_options(request.config), service.backend)
+    try:
+        yield log
+    finally:
+        if log.readings:
+            log.read("end")
+        log.close()
 
 
 @pytest.fixture

@@ -1,13 +1,16 @@
-"""Floors files: per-cell minimum throughput and acceptance, the check against them, and recording.
+"""Floors files: per-cell throughput, acceptance and speed-up over AR, the pace they were recorded at.
 
-    tolerance: 0.15
+    probe: cpu-v1                 # the pace probe that measured `pace` (ddtree.bench.pace)
+    tolerance: 0.15               # pace-normalised tok/s may fall this fraction below its floor
+    accept_tolerance: 0.05        # accept_length likewise (deterministic at T = 0: tight)
+    speedup_tolerance: 0.15       # speedup_vs_ar likewise
     floors:
       b8-k4-w2048-bs8:
-        ctx60-c1: {output_throughput: 12.3, accept_length: 2.9}
+        ctx60-c1: {output_throughput: 80.2, pace: 0.97, accept_length: 1.77, speedup_vs_ar: 0.71}
 
-A profile name (`cpu-fixture`) resolves to fixtures/floors/<name>.yaml. A measured median fails
-when it is below floor x (1 - tolerance). `--update-floors` records the measured medians
-themselves: the tolerance is the one headroom knob, so the file holds what was really measured.
+A profile name (`cpu-fixture`) resolves to fixtures/floors/<name>.yaml. How a cell is judged
+against its entry is ddtree.suite.verdict's. `--update-floors` records the measured values
+themselves: the tolerances are the only headroom, so the file holds what was really measured.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from ddtree.errors import ConfigError
 
 FLOORS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "floors"
 DEFAULT_TOLERANCE = 0.15
-FLOOR_METRICS = {"output_throughput": ("tok/s", 1), "accept_length": ("accepted tokens/step", 2)}  # unit, digits
+DEFAULT_ACCEPT_TOLERANCE = 0.05  # a 10% drop in acceptance must fail; T = 0 acceptance does not depend on the machine
+FLOOR_METRICS = {  # unit, digits
+    "output_throughput": ("tok/s", 1),
+    "pace": ("pace", 3),  # the machine's pace when output_throughput was recorded (not judged itself)
+    "accept_length": ("accepted tokens/step", 2),
+    "speedup_vs_ar": ("x AR", 3),  # pace-normalised tok/s over AR's at the same context and concurrency
+}
+FILE_KEYS = ("probe", "tolerance", "accept_tolerance", "speedup_tolerance", "floors", "recorded")
 
 Table = dict[str, dict[str, dict[str, float]]]  # config id -> "ctx<C>-c<N>" -> metric -> value
 
@@ -35,6 +45,10 @@ class Floors:
     tolerance: float = DEFAULT_TOLERANCE
     table: Table = field(default_factory=dict)
     header: str = ""  # the file's leading comment block, kept when recording
+    accept_tolerance: float = DEFAULT_ACCEPT_TOLERANCE
+    speedup_tolerance: float | None = None  # None: the throughput tolerance
+    probe: str | None = None  # the pace probe id the floors' `pace` values come from
+    recorded: dict[str, Any] = field(default_factory=dict)
 
     @property
     def profile(self) -> str:
@@ -64,12 +78,22 @@ def load_floors(path_or_profile: str | Path) -> Floors:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from err
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with keys 'tolerance' and 'floors'")
-    unknown = sorted(set(data) - {"tolerance", "floors", "recorded"})
+        raise ConfigError(f"{path}: expected a mapping with keys {list(FILE_KEYS)}")
+    unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed: ['tolerance', 'floors', 'recorded']")
+        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed: {list(FILE_KEYS)}")
     tolerance = data.get("tolerance", DEFAULT_TOLERANCE)
     check_tolerance(tolerance, f"{path}: tolerance")
+    accept_tolerance = check_tolerance(data.get("accept_tolerance", DEFAULT_ACCEPT_TOLERANCE), f"{path}: accept_tolerance")
+    speedup_tolerance = data.get("speedup_tolerance")
+    if speedup_tolerance is not None:
+        check_tolerance(speedup_tolerance, f"{path}: speedup_tolerance")
+    probe = data.get("probe")
+    if probe is not None and not isinstance(probe, str):
+        raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v1'")
+    recorded = data.get("recorded") or {}
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"{path}: recorded must be a mapping (date, machine, command, pace)")
     table = data.get("floors") or {}
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: floors must map config id -> cell key -> metrics")
@@ -87,32 +111,16 @@ def load_floors(path_or_profile: str | Path) -> Floors:
                 if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                     raise ConfigError(f"{path}: floors.{config_id}.{key}.{metric}: {value!r} is not a number >= 0")
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    return Floors(path=path, tolerance=float(tolerance), table=table, header=header)
+    return Floors(path=path, tolerance=float(tolerance), table=table, header=header,
+                  accept_tolerance=accept_tolerance,
+                  speedup_tolerance=None if speedup_tolerance is None else float(speedup_tolerance),
+                  probe=probe, recorded=recorded)
 
 
 def check_tolerance(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
         raise ConfigError(f"{where}: {value!r} is not a fraction in [0, 1)")
     return float(value)
-
-
-def check_cell(
-    measured: dict[str, float], floor: dict[str, float], tolerance: float, config_id: str, context: int, conc: int
-) -> list[str]:
-    """One message per metric below floor x (1 - tolerance); empty when the cell passes."""
-    failures = []
-    for metric, floor_value in floor.items():
-        value = measured.get(metric)
-        if value is None:
-            failures.append(f"{metric} was not measured, floor {floor_value}, {config_id} @ ctx{context} c{conc}")
-            continue
-        if value < floor_value * (1.0 - tolerance):
-            unit, digits = FLOOR_METRICS[metric]
-            failures.append(
-                f"{value:.{digits}f} {unit} < floor {floor_value:.{digits}f} x (1-{tolerance:g}), "
-                f"{config_id} @ ctx{context} c{conc}"
-            )
-    return failures
 
 
 def merge(table: Table, updates: Table) -> Table:
@@ -122,11 +130,22 @@ def merge(table: Table, updates: Table) -> Table:
     return out
 
 
-def write_floors(floors: Floors, updates: Table, recorded: dict[str, Any] | None = None) -> Path:
-    """Merge measured values into the floors file, atomically (temp file + rename)."""
-    data: dict[str, Any] = {"tolerance": floors.tolerance, "floors": merge(floors.table, updates)}
-    if recorded:
-        data["recorded"] = recorded
+def write_floors(floors: Floors, updates: Table, recorded: dict[str, Any] | None = None,
+                 probe: str | None = None) -> Path:
+    """Merge measured values into the floors file, atomically (temp file + rename).
+
+    `probe` is the pace probe of the updates; a file recorded with another probe keeps none of its
+    old entries (their pace values would not compare with the new ones).
+    """
+    table = floors.table if probe is None or floors.probe in (None, probe) else {}
+    data: dict[str, Any] = {"tolerance": floors.tolerance, "accept_tolerance": floors.accept_tolerance,
+                            "floors": merge(table, updates)}
+    if floors.speedup_tolerance is not None:
+        data["speedup_tolerance"] = floors.speedup_tolerance
+    if probe or floors.probe:
+        data["probe"] = probe or floors.probe
+    if recorded or floors.recorded:
+        data["recorded"] = recorded or floors.recorded
     body = floors.header + yaml.safe_dump(data, sort_keys=True, default_flow_style=None)
     floors.path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=floors.path.parent, prefix=f".{floors.path.name}.", suffix=".tmp")
@@ -137,5 +156,5 @@ def write_floors(floors: Floors, updates: Table, recorded: dict[str, Any] | None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    floors.table = data["floors"]
+    floors.table, floors.probe = data["floors"], data.get("probe")
     return floors.path

@@ -40,7 +40,9 @@ HELP = {
     "results_dir": "where cell files and summaries go (default: results/<timestamp> under the rootdir)",
     "floors": "floors profile in fixtures/floors (default cpu-fixture) or a path to a floors YAML",
     "floor_tolerance": "fraction below a floor that still passes, in [0, 1) (default: the floors file's, else 0.15)",
-    "update_floors": "record this run's medians as the floors of the profile (written at session end)",
+    "update_floors": "record this run's medians (tok/s with the pace they were measured at, acceptance, speed-up over "
+                     "AR) as the floors of the profile (written at session end)",
+    "require_floors": "fail every cell that has no floor in the floors file (the summary lists them either way)",
     "repeats": "repeats per cell, an integer >= 1 (default: the grid's, else 3)",
     "startup_timeout": "seconds to wait for the service to become ready (default 600)",
     "resume": "skip cells whose result file already exists in --results-dir",
@@ -81,6 +83,7 @@ def add_options(parser: pytest.Parser) -> None:
     opt("floors", metavar="PATH|PROFILE")
     opt("floor-tolerance", metavar="FRACTION")
     opt("update-floors", ini=False, action="store_true", default=False)
+    opt("require-floors", ini=False, action="store_true", default=False)
     opt("repeats", ini=False, metavar="N")
     opt("startup-timeout", metavar="SECONDS")
     opt("resume", ini=False, action="store_true", default=False)
@@ -146,6 +149,7 @@ class SuiteOptions:
     ssh_config: str | None = None
     start_retries: int = 0
     client_processes: int = 1
+    require_floors: bool = False
 
 
 def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
@@ -297,6 +301,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,
         start_retries=0 if retries is None else int(retries),
         client_processes=int(_positive_number(config, "client_processes", 1, integer=True)),
+        require_floors=bool(config.getoption("ddtree_require_floors")),
     )
 
 

@@ -30,7 +30,10 @@ cell files of the shared results directory into one summary at the end.
 
 from __future__ import annotations
 
+import os
 import re
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +41,14 @@ import pytest
 
 from ddtree.bench.report import write_sweep_summary
 from ddtree.bench.results import write_summary_csv
+from ddtree.bench.verdicts import pace_lines, write_verdicts
 from ddtree.service.manager import ServiceDied
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, Expansion, parametrize, sort_items
 from ddtree.suite.floors import write_floors
 from ddtree.suite.options import add_options, option_flags, parse_options, suite_requested
 from ddtree.suite.rootdir import redo_ini_setup
 from ddtree.suite.state import OPTIONS_KEY, STATE_KEY, SuiteState, suite_active, suite_options, suite_state
+from ddtree.suite.verdict import Tolerances
 
 # Sibling plugin modules that add options (loaded with this one, inert like it); the fixtures
 # module is registered only in the suite's own runs (pytest_configure).
@@ -143,9 +148,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"{len(e.removed)} removed as impossible; repeats {o.repeats}",
         f"ddtree service: {o.service}; device: {o.device}; model: {o.model_path}; drafter: {o.draft_model_path}; "
         f"dialect: {o.dialect.name}; tokens: {o.tokenize}; start retries: {o.start_retries}",
-        f"ddtree results: {o.results_dir}; floors: {o.floors.profile} ({o.floors.path}), "
-        f"tolerance {o.tolerance:g}{'; recording floors' if o.update_floors else ''}",
+        f"ddtree results: {o.results_dir}; floors: {o.floors.profile} ({o.floors.path}), probe "
+        f"{o.floors.probe or 'none'}; {_tolerances_text(o)}{'; recording floors' if o.update_floors else ''}"
+        f"{'; cells without a floor fail' if o.require_floors else ''}",
     ]
+
+
+def _tolerances_text(options: Any) -> str:
+    t = Tolerances.of(options.floors, options.tolerance)
+    return f"tolerance: pace-normalised tok/s {t.throughput:g}, accept length {t.accept:g}, speed-up over AR {t.speedup:g}"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -228,15 +239,35 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     results = options.results_dir
     results.mkdir(parents=True, exist_ok=True)
     write_summary_csv(results)
+    tolerances = Tolerances.of(options.floors, options.tolerance)
+    write_verdicts(results, {"profile": options.floors.profile, "path": str(options.floors.path),
+                             "floors_probe": options.floors.probe, "require_floors": options.require_floors,
+                             "tolerances": vars(tolerances), "no_floor": state.no_floor,
+                             "notes": state.verdict_notes})
     restore = _merged_restore(state, options.grid.default.id) or {}
     restore = {**restore, "deploys": len(state.deploys), "deploy_order": state.deploys}  # kept in restore.json
     write_sweep_summary(results, options.grid.default.id, restore)
     if options.update_floors and state.floor_updates:  # measurements first: a failing plot must not lose them
-        write_floors(options.floors, state.floor_updates, recorded={"results_dir": str(results)})
+        write_floors(options.floors, state.floor_updates, probe=state.floor_probe,
+                     recorded=floors_recorded(results, config.invocation_params.args))
     if any((results / "cells").glob("*.json")):
         from ddtree.bench.plots import write_plots  # matplotlib only when there is something to plot
 
         write_plots(results)
+
+
+def floors_recorded(results: Path, args: Sequence[str]) -> dict[str, Any]:
+    """What a floors file keeps about its recording: when, where, the command and the run's pace."""
+    import platform
+
+    from ddtree.bench.results import gpu_name, now_iso, read_pace_logs
+
+    scores = [float(r["score"]) for log in read_pace_logs(results) for r in log.get("readings") or []]
+    return {"date": now_iso(), "machine": f"{platform.machine()}, {os.cpu_count()} cores"
+            + (f", {gpu_name()}" if gpu_name() else ""), "command": "pytest " + " ".join(args),
+            "results_dir": str(results),
+            "pace": {"median": round(statistics.median(scores), 4), "min": round(min(scores), 4),
+                     "max": round(max(scores), 4), "readings": len(scores)} if scores else None}
 
 
 def _merged_restore(state: SuiteState, default_id: str) -> dict[str, Any] | None:
@@ -278,9 +309,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     else:
         tr.write_line(f"restore: default {options.grid.default.id} NOT restored: "
                       f"{(restore or {}).get('error')}", red=True)
+    for line in pace_lines([], results_dir=options.results_dir):
+        tr.write_line(line.removeprefix("- "))
     if state.no_floor:
-        tr.write_line(f"no floor in {options.floors.profile} for {len(state.no_floor)} cells (passed without a "
-                      f"floor check): {', '.join(state.no_floor)}")
+        verdict = "failed: --require-floors" if options.require_floors else "passed without a floor check"
+        tr.write_line(f"no floor in {options.floors.profile} for {len(state.no_floor)} cells ({verdict}): "
+                      f"{', '.join(state.no_floor)}", red=options.require_floors)
+    for note, ids in sorted(state.verdict_notes.items()):
+        tr.write_line(f"{note}: {len(ids)} cells")
     if state.resumed:
         tr.write_line(f"resumed: {len(state.resumed)} cells kept from an earlier run: {', '.join(state.resumed)}")
     if options.update_floors:

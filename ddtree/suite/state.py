@@ -22,6 +22,8 @@ class SuiteState:
     restore: dict[str, Any] | None = None  # the shape bench.report.restore_line reads
     floor_updates: Table = field(default_factory=dict)
     no_floor: list[str] = field(default_factory=list)  # cell ids measured without a floor
+    floor_probe: str | None = None  # the pace probe of the recorded floors (--update-floors)
+    verdict_notes: dict[str, list[str]] = field(default_factory=dict)  # how cells were judged -> cell ids
     resumed: list[str] = field(default_factory=list)
     opt_in_deselected: int = 0  # perf/quality items a bare run left out
     measured: int = 0  # cells measured by this process (progress lines)
@@ -30,7 +32,8 @@ class SuiteState:
     def to_wire(self) -> dict[str, Any]:
         """The part an xdist worker sends to the controller (JSON-able)."""
         return {"deploys": self.deploys, "service_used": self.service_used, "restore": self.restore,
-                "floor_updates": self.floor_updates, "no_floor": self.no_floor, "resumed": self.resumed}
+                "floor_updates": self.floor_updates, "no_floor": self.no_floor, "resumed": self.resumed,
+                "floor_probe": self.floor_probe, "verdict_notes": self.verdict_notes}
 
     def absorb(self, wire: dict[str, Any]) -> None:
         self.workers.append(wire)
@@ -38,6 +41,9 @@ class SuiteState:
         self.service_used |= bool(wire.get("service_used"))
         self.no_floor += wire.get("no_floor", [])
         self.resumed += wire.get("resumed", [])
+        self.floor_probe = self.floor_probe or wire.get("floor_probe")
+        for note, ids in (wire.get("verdict_notes") or {}).items():
+            self.verdict_notes.setdefault(note, []).extend(ids)
         for cid, cells in (wire.get("floor_updates") or {}).items():
             self.floor_updates.setdefault(cid, {}).update(cells)
 

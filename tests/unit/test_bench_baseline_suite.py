@@ -1,7 +1,7 @@
 """`--baseline` end to end: the smoke grid swept twice through the suite against the fake service.
 
 The first sweep is the baseline of the second (`--baseline latest`); then the first run's tok/s
-are doctored up a thousandfold and a third sweep against it must fail (exit status 1, every cell
+(raw and pace-normalised) are doctored up a thousandfold and a third sweep against it must fail (exit status 1, every cell
 named in the "ddtree baseline" section) although each cell's own test passed. The
 fake service's tok/s swing a lot on a shared machine, so these runs use a wide tolerance: the
 verdict rule itself is tested on synthetic folders in test_bench_baseline.py; this checks the
@@ -44,10 +44,14 @@ def doctor(results: Path, factor: float) -> None:
     """Multiply every tok/s of a run (median, MAD, each repeat) by `factor`, as if it had been faster."""
     for path in (results / "cells").glob("*.json"):
         data = json.loads(path.read_text())
-        for key in ("output_throughput", "output_throughput_mad"):
-            data["metrics"][key] *= factor
+        for key in ("output_throughput", "output_throughput_mad", "pace_normalized_throughput",
+                    "pace_normalized_throughput_mad"):
+            if key in data["metrics"]:
+                data["metrics"][key] *= factor
         for repeat in data["per_repeat"]:
-            repeat["output_throughput"] *= factor
+            for key in ("output_throughput", "pace_normalized_throughput"):
+                if key in repeat:
+                    repeat[key] *= factor
         path.write_text(json.dumps(data))
 
 

@@ -117,7 +117,7 @@ def test_a_failing_cell_still_restores_and_verifies_the_default(suite_dir: pytes
     result = run(suite_dir, "-m", "perf", "--floors", str(floors))
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines([
-        "E * tok/s < floor 1000000000000.0 x (1-0.1), b4-k4-w2048-bs8 @ ctx8 c1",
+        "E * tok/s < floor 1000000000000.0 x (1-0.1) (absolute), b4-k4-w2048-bs8 @ ctx8 c1",
         "restore: default b8-k4-w2048-bs8 restored and verified*",
         "no floor in floors for 3 cells*",
     ])

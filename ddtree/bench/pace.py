@@ -1,0 +1,291 @@
+"""The pace probe: a short fixed workload that says how fast this machine runs right now.
+
+A sweep's tok/s depends on the code and on the machine's pace at that moment (a shared VM's pace
+moves by up to half within an hour; a GPU's clocks and neighbours move too). The suite measures this
+probe around every cell and judges pace-normalised throughput, tok/s / pace, against floors that
+recorded the pace they were measured at (docs/results.md, "How a verdict is computed").
+
+The probe is built from torch and the standard library only, never from ddtree's model, engine or
+server code: if it ran that code, a slower engine would slow the probe as much and hide itself. It
+stands alone for the same reason a second way: `python3 -c "$(cat pace.py)" --serve` runs it on a
+remote service host (the systemd backend sends it over ssh), where ddtree is not installed.
+
+Components, each a fixed amount of work timed in `CHUNKS` chunks (the median chunk counts, so a
+one-off stall inside the probe is not the machine's pace):
+
+    cpu   interpreter  a pure-Python loop (dicts, lists, calls): the server's per-request and
+                       per-round host code runs on the interpreter
+          dispatch     tiny torch ops on a [4, 256] tensor: the fixture models' rounds are
+                       hundreds of small ops, so the dispatcher's cost per op sets their pace
+          gemm         [8, 256] x [256, 4096] and [8, 256] x [256, 768] products at the served
+                       shapes (one thread: small products run on one in the engine, and a
+                       two-thread team on a 2-core VM beside other work measures OpenMP's
+                       spinning, 10-100x off, not the machine)
+          relay        a message passed round a ring of three processes through pipes, a little
+                       Python at each hop: a request crosses the client, the HTTP process and the
+                       engine process and back for every streamed token, and on a VM the cost of
+                       waking an idle process moves with the host's load
+    cuda  interpreter  as on the CPU (the host drives every launch)
+          launch       1000 launches of a one-element kernel, then a sync: launch latency
+          gemm         bf16 [64, 4096] x [4096, 4096] products: small-batch GEMMs
+          hbm          device-to-device copies of a 256 MiB buffer: memory bandwidth
+
+The pace score is the geometric mean over components of REFERENCE_MS / measured ms: 1.0 on the
+reference machine (the 2-core CI VM on a quiet hour; an H200 for cuda), 0.5 when everything takes
+twice as long. Only ratios of scores measured by the same probe (`probe` id) mean anything.
+
+    python -m ddtree.bench.pace [--device cpu|cuda] [--json]     # one reading
+    python -m ddtree.bench.pace --serve                          # a reading per "probe" line on stdin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+PROBE_VERSION = 1
+CHUNKS = 5
+# ms per chunk of each component on the reference machines (quiet 2-core CI VM; H200), so a score of 1.0 is
+# that machine at its usual pace
+REFERENCE_MS = {
+    "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "relay": 12.0},
+    "cuda": {"interpreter": 25.0, "launch": 5.0, "gemm": 2.0, "hbm": 2.0},
+}
+
+
+def probe_id(device: str) -> str:
+    """What a score is comparable with: the device kind and the probe's version."""
+    return f"{device_kind(device)}-v{PROBE_VERSION}"
+
+
+def device_kind(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+# -- workloads (each runs one chunk) -------------------------------------------------------------
+
+def interpreter_chunk() -> None:
+    table: dict[int, int] = {}
+    items: list[int] = []
+    for i in range(120_000):
+        table[i & 1023] = table.get(i & 1023, 0) + i
+        items.append(abs(i - 512))
+        if len(items) > 256:
+            items = items[128:]
+    sorted(table.items(), key=lambda kv: kv[1])
+
+
+def make_dispatch(device: torch.device) -> Callable[[], None]:
+    x = torch.randn(4, 256, device=device)
+    w = torch.randn(256, device=device)
+
+    def chunk() -> None:
+        y = x
+        for _ in range(500):
+            y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w).tanh()
+    return chunk
+
+
+def spin(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+class Relay:
+    """Three processes in a ring of pipes: this one and two forked hops that each spin a little and
+    pass the byte on. The hops exit when their input closes, so they never outlive the probe."""
+
+    HOP_WORK = 2000  # loop iterations at each hop (~25 us): the hops' own Python, small beside a wake-up
+    TRIPS = 100
+
+    def __init__(self) -> None:
+        pipes = [os.pipe() for _ in range(3)]  # 0: here -> hop 1, 1: hop 1 -> hop 2, 2: hop 2 -> here
+        self.pids = []
+        for hop in (1, 2):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the forked hop
+                keep = (pipes[hop - 1][0], pipes[hop][1])
+                for fd in {fd for pair in pipes for fd in pair} - set(keep):
+                    os.close(fd)
+                self._hop(*keep)
+            self.pids.append(pid)
+        self.send, self.receive = pipes[0][1], pipes[2][0]
+        for fd in (pipes[0][0], pipes[1][0], pipes[1][1], pipes[2][1]):
+            os.close(fd)
+
+    @classmethod
+    def _hop(cls, read_fd: int, write_fd: int) -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            if not data:
+                os._exit(0)
+            spin(cls.HOP_WORK)
+            os.write(write_fd, data)
+
+    def chunk(self) -> None:
+        for _ in range(self.TRIPS):
+            spin(self.HOP_WORK)
+            os.write(self.send, b"x")
+            os.read(self.receive, 64)
+
+    def close(self) -> None:
+        os.close(self.send)  # hop 1 reads EOF and exits, which closes hop 2's input
+        os.close(self.receive)
+        for pid in self.pids:
+            os.waitpid(pid, 0)
+        self.pids = []
+
+
+def make_cpu_gemm() -> Callable[[], None]:
+    a = torch.randn(8, 256)  # a b8 tree's rows
+    head, up = torch.randn(256, 4096), torch.randn(256, 768)
+
+    def chunk() -> None:
+        for _ in range(75):
+            torch.mm(a, head)
+            torch.mm(a, up)
+    return chunk
+
+
+def make_cuda_parts(device: torch.device) -> dict[str, Callable[[], None]]:
+    one = torch.zeros(1, device=device)
+    a = torch.randn(64, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    src = torch.empty(256 * 2**20 // 4, device=device, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+
+    def launch() -> None:
+        for _ in range(1000):
+            one.add_(1.0)
+        torch.cuda.synchronize(device)
+
+    def gemm() -> None:
+        for _ in range(20):
+            torch.mm(a, w)
+        torch.cuda.synchronize(device)
+
+    def hbm() -> None:
+        for _ in range(4):
+            dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    return {"launch": launch, "gemm": gemm, "hbm": hbm}
+
+
+def workloads(device: str, relay: Relay | None) -> dict[str, Callable[[], None]]:
+    if device_kind(device) == "cuda":
+        return {"interpreter": interpreter_chunk, **make_cuda_parts(torch.device(device))}
+    assert relay is not None
+    return {"interpreter": interpreter_chunk, "dispatch": make_dispatch(torch.device("cpu")), "gemm": make_cpu_gemm(),
+            "relay": relay.chunk}
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+def time_chunks(chunk: Callable[[], None], chunks: int = CHUNKS) -> float:
+    """The median of `chunks` timed runs of `chunk`, in ms (callers sync the device inside the chunk)."""
+    times = []
+    for _ in range(chunks):
+        start = time.perf_counter()
+        chunk()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def score_of(kind: str, components_ms: dict[str, float]) -> float:
+    """Geometric mean of reference / measured over the components (1.0 = the reference machine)."""
+    reference = REFERENCE_MS[kind]
+    logs = [math.log(reference[name] / ms) for name, ms in components_ms.items() if ms > 0]
+    return math.exp(sum(logs) / len(logs))
+
+
+class Probe:
+    """The workloads built once (buffers allocated, kernels loaded) and measured on demand."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.kind = device_kind(device)
+        if self.kind == "cpu":
+            torch.set_num_threads(1)  # see the gemm component
+        self.relay = Relay() if self.kind == "cpu" else None
+        self.parts = workloads(device, self.relay)
+        for chunk in self.parts.values():  # warm-up: allocations, first-call dispatch, kernel loads
+            chunk()
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+
+    def measure(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        components = {name: round(time_chunks(chunk), 4) for name, chunk in self.parts.items()}
+        return {"probe": probe_id(self.device), "score": round(score_of(self.kind, components), 4),
+                "components_ms": components, "seconds": round(time.perf_counter() - start, 3),
+                "at": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def serve(device: str) -> int:
+    """Answer each line "probe" on stdin with one JSON reading on stdout; "quit" or EOF ends.
+
+    The first line out is {"ready": true, "probe": ...} once the warm-up is done, so a caller never
+    times torch's import or the warm-up.
+    """
+    probe = Probe(device)
+    print(json.dumps({"ready": True, "probe": probe_id(device)}), flush=True)
+    try:
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "quit":
+                break
+            if command == "probe":
+                print(json.dumps(probe.measure()), flush=True)
+            elif command:
+                print(json.dumps({"error": f"unknown command {command!r}; expected probe or quit"}), flush=True)
+    finally:
+        probe.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddtree.bench.pace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--json", action="store_true", help="print the reading as JSON")
+    parser.add_argument("--repeat", type=int, default=1, help="readings to take (default 1)")
+    parser.add_argument("--serve", action="store_true", help="answer 'probe' lines on stdin with JSON readings")
+    args = parser.parse_args(argv)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device: {args.device!r} is not valid; expected cpu, cuda or cuda:N")
+    if device_kind(args.device) == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    if args.repeat < 1:
+        parser.error(f"--repeat: {args.repeat} is not valid; expected an integer >= 1")
+    if args.serve:
+        return serve(args.device)
+    probe = Probe(args.device)
+    try:
+        for _ in range(args.repeat):
+            reading = probe.measure()
+            if args.json:
+                print(json.dumps(reading))
+            else:
+                parts = ", ".join(f"{k} {v:.2f} ms" for k, v in reading["components_ms"].items())
+                print(f"pace {reading['score']:.3f} ({reading['probe']}; {parts}; {reading['seconds']:.2f} s)")
+    finally:
+        probe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
