@@ -110,6 +110,27 @@ def test_bare_run_deselects_perf_and_says_so(suite_dir: pytest.Pytester) -> None
     named.stdout.fnmatch_lines(["16 tests collected*"])
 
 
+def test_require_floors_fails_cells_without_one_and_the_summary_lists_them(suite_dir: pytest.Pytester) -> None:
+    floors = suite_dir.path / "floors.yaml"
+    floors.write_text(yaml.safe_dump({"floors": {"ar": {"ctx8-c1": {"output_throughput": 0.001}}}}))
+    result = run(suite_dir, "-m", "perf", "--floors", str(floors), "--require-floors")
+    result.assert_outcomes(passed=1, failed=3)
+    result.stdout.fnmatch_lines([
+        "*ar-ctx8-c2: no floor in floors (*floors.yaml) and --require-floors is set; record one with --update-floors",
+        "no floor in floors for 3 cells (failed: --require-floors): ar-ctx8-c2, b4-k4-w2048-bs8-ctx8-c1, "
+        "b4-k4-w2048-bs8-ctx8-c2",
+    ])
+    summary = (suite_dir.path / "results" / "sweep_summary.md").read_text()
+    assert "- No floor (3 cells, failed (--require-floors)): ar-ctx8-c2, b4-k4-w2048-bs8-ctx8-c1" in summary
+    assert "## Pace and verdicts" in summary and "- Pace (cpu-v1, measured on this machine): median" in summary
+    cell = json.loads((suite_dir.path / "results" / "cells" / "b4-k4-w2048-bs8__ctx8__c1.json").read_text())
+    assert cell["pace"]["probe"] == "cpu-v1" and len(cell["pace"]["readings"]) == 2  # before and after its 1 repeat
+    assert cell["metrics"]["speedup_vs_ar"] > 0 and cell["metrics"]["pace_normalized_throughput"] > 0
+    without = run(suite_dir, "-m", "perf", "--floors", str(floors))
+    without.assert_outcomes(passed=4)
+    without.stdout.fnmatch_lines(["no floor in floors for 3 cells (passed without a floor check): *"])
+
+
 def test_a_failing_cell_still_restores_and_verifies_the_default(suite_dir: pytest.Pytester) -> None:
     floors = suite_dir.path / "floors.yaml"
     floors.write_text(yaml.safe_dump({"tolerance": 0.1, "floors": {"b4-k4-w2048-bs8": {"ctx8-c1": {

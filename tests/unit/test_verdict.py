@@ -1,0 +1,145 @@
+"""A cell's verdict against its floor (ddtree.suite.verdict), the floors file's keys, pace normalisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddtree.bench.baseline import compare_runs
+from ddtree.bench.normalise import NORMALISED_KEY, add_pace
+from ddtree.errors import ConfigError
+from ddtree.suite.floors import Floors, load_floors, write_floors
+from ddtree.suite.verdict import Tolerances, floor_entry, judge_cell, speedup_over_ar
+from tests.unit.test_bench_baseline import make_cell, write_run
+
+TOL = Tolerances(throughput=0.15, accept=0.05, speedup=0.15)
+FLOOR = {"output_throughput": 100.0, "pace": 1.0, "accept_length": 2.0, "speedup_vs_ar": 1.2}
+WHERE = "b8-k4-w2048-bs8 @ ctx60 c1"
+
+
+def measured(tps: float, pace: float, accept: float = 2.0, speedup: float = 1.2, probe: str = "cpu-v1") -> dict:
+    return {"output_throughput": tps, NORMALISED_KEY: tps / pace, "pace": pace, "probe": probe,
+            "accept_length": accept, "speedup_vs_ar": speedup}
+
+
+@pytest.mark.parametrize(("tps", "pace"), [pytest.param(100.0, 1.0, id="same-machine"),
+                                           pytest.param(50.0, 0.5, id="half-as-fast-an-hour"),
+                                           pytest.param(150.0, 1.5, id="a-fast-hour"),
+                                           pytest.param(86.0, 1.0, id="inside-tolerance")])
+def test_a_machine_slower_or_faster_today_passes(tps: float, pace: float) -> None:
+    verdict = judge_cell(measured(tps, pace), FLOOR, TOL, "cpu-v1", WHERE)
+    assert verdict.ok and not verdict.notes, verdict.failures
+
+
+@pytest.mark.parametrize(("tps", "pace"), [pytest.param(62.5, 1.0, id="forward-60pct-slower"),
+                                           pytest.param(97.5, 1.5, id="regression-hidden-by-a-fast-hour"),
+                                           pytest.param(40.0, 0.5, id="regression-on-a-slow-hour")])
+def test_a_real_regression_fails_whatever_the_machine(tps: float, pace: float) -> None:
+    verdict = judge_cell(measured(tps, pace), FLOOR, TOL, "cpu-v1", WHERE)
+    assert len(verdict.failures) == 1
+    assert verdict.failures[0].startswith(f"{tps / pace:.1f} tok/s per unit pace ({tps:.1f} tok/s at pace {pace:.3f}) "
+                                          f"< floor 100.0 (100.0 tok/s at pace 1.000) x (1-0.15), {WHERE}")
+
+
+def test_a_ten_percent_drop_in_acceptance_fails_and_three_percent_passes() -> None:
+    assert judge_cell(measured(100.0, 1.0, accept=1.94), FLOOR, TOL, "cpu-v1", WHERE).ok
+    failures = judge_cell(measured(100.0, 1.0, accept=1.8), FLOOR, TOL, "cpu-v1", WHERE).failures
+    assert failures == [f"accept_length 1.80 accepted tokens/step < floor 2.00 accepted tokens/step x (1-0.05), {WHERE}"]
+
+
+def test_a_speedup_over_ar_below_its_floor_fails() -> None:
+    failures = judge_cell(measured(100.0, 1.0, speedup=0.9), FLOOR, TOL, "cpu-v1", WHERE).failures
+    assert failures == [f"speedup_vs_ar 0.900 x AR < floor 1.200 x AR x (1-0.15), {WHERE}"]
+    missing = judge_cell({**measured(100.0, 1.0), "speedup_vs_ar": None}, FLOOR, TOL, "cpu-v1", WHERE).failures
+    assert missing == [f"speedup_vs_ar was not measured, floor 1.200 x AR, {WHERE}"]
+
+
+@pytest.mark.parametrize(("floor", "run", "floors_probe", "why"), [
+    pytest.param({"output_throughput": 100.0}, measured(90.0, 0.5), "cpu-v1", "the floor has no pace", id="no-floor-pace"),
+    pytest.param(FLOOR, {**measured(90.0, 0.5), NORMALISED_KEY: None, "pace": None}, "cpu-v1",
+                 "this run has no pace reading", id="no-run-pace"),
+    pytest.param(FLOOR, measured(90.0, 0.5, probe="cuda-v1"), "cpu-v1",
+                 "the floor's pace comes from probe cpu-v1, this run's from cuda-v1", id="another-probe"),
+])
+def test_without_comparable_paces_tok_s_is_judged_absolutely_and_says_why(floor, run, floors_probe, why) -> None:
+    verdict = judge_cell(run, floor, TOL, floors_probe, WHERE)
+    assert verdict.ok and verdict.notes == [f"tok/s judged in absolute terms: {why}" + (
+        " (re-record it with --update-floors)" if why == "the floor has no pace" else "")]
+    low = judge_cell({**run, "output_throughput": 80.0}, floor, TOL, floors_probe, WHERE)
+    assert low.failures == [f"80.0 tok/s < floor 100.0 x (1-0.15) (absolute), {WHERE}"]
+
+
+def test_the_speedup_is_pace_normalised_when_both_sides_have_a_pace() -> None:
+    ar = {"output_throughput": 100.0, NORMALISED_KEY: 200.0}  # measured at pace 0.5
+    assert speedup_over_ar({"output_throughput": 120.0, NORMALISED_KEY: 120.0}, ar) == pytest.approx(0.6)
+    assert speedup_over_ar({"output_throughput": 120.0}, ar) == pytest.approx(1.2)  # raw when one side has none
+    assert speedup_over_ar({"output_throughput": 120.0}, None) is None
+
+
+def test_a_recorded_floor_holds_every_measured_floor_metric() -> None:
+    entry = floor_entry({**measured(123.456, 0.98765, accept=1.777, speedup=0.66666), "median_tpot_ms": 5.0})
+    assert entry == {"output_throughput": 123.46, "pace": 0.9877, "accept_length": 1.777, "speedup_vs_ar": 0.6667}
+    assert floor_entry({"output_throughput": 50.0, "accept_length": None}) == {"output_throughput": 50.0}
+
+
+def test_tolerances_come_from_the_file_and_the_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump({"probe": "cpu-v1", "tolerance": 0.2, "accept_tolerance": 0.03, "floors": {}}))
+    floors = load_floors(path)
+    assert Tolerances.of(floors) == Tolerances(0.2, 0.03, 0.2)  # speed-up follows tok/s unless the file sets it
+    assert Tolerances.of(floors, throughput=0.1) == Tolerances(0.1, 0.03, 0.1)
+    path.write_text(yaml.safe_dump({"tolerance": 0.2, "speedup_tolerance": 0.12, "floors": {}}))
+    assert Tolerances.of(load_floors(path), throughput=0.1) == Tolerances(0.1, 0.05, 0.12)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    pytest.param({"accept_tolerance": 1.5}, "accept_tolerance: 1.5 is not a fraction in [0, 1)", id="accept-tolerance"),
+    pytest.param({"speedup_tolerance": -0.1}, "speedup_tolerance: -0.1 is not a fraction in [0, 1)", id="speedup"),
+    pytest.param({"probe": 3}, "probe: 3 is not a probe id", id="probe"),
+    pytest.param({"floors": {"ar": {"ctx60-c1": {"pase": 1.0}}}}, "unknown metric 'pase'", id="metric"),
+    pytest.param({"tolerence": 0.1}, "unknown key(s) ['tolerence']", id="key"),
+])
+def test_a_bad_floors_file_names_the_field(tmp_path: Path, data: dict, message: str) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_floors(path)
+    assert message in str(err.value)
+
+
+def test_recording_with_another_probe_drops_the_old_entries(tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text("# header kept\n" + yaml.safe_dump({"probe": "cpu-v0", "floors": {"ar": {"ctx1-c1": {"pace": 1.0}}}}))
+    floors = load_floors(path)
+    write_floors(floors, {"ar": {"ctx60-c1": {"output_throughput": 10.0, "pace": 0.5}}}, probe="cpu-v1",
+                 recorded={"date": "2026-12-05"})
+    again = load_floors(path)
+    assert again.probe == "cpu-v1" and again.table == {"ar": {"ctx60-c1": {"output_throughput": 10.0, "pace": 0.5}}}
+    assert again.recorded == {"date": "2026-12-05"} and path.read_text().startswith("# header kept\n")
+    same = Floors(path=path, probe="cpu-v1", table=again.table)
+    write_floors(same, {"ar": {"ctx512-c1": {"output_throughput": 5.0}}}, probe="cpu-v1")
+    assert set(load_floors(path).table["ar"]) == {"ctx60-c1", "ctx512-c1"}
+
+
+def paced_cell(config_id: str, tps: list[float], paces: list[float]):
+    cell = make_cell(config_id, 60, 1, tps, [2.0] * len(tps))
+    pace = {"probe": "cpu-v1", "score": sum(paces) / len(paces), "per_repeat": paces}
+    add_pace(cell.per_repeat, cell.metrics, pace)
+    cell.pace = pace
+    return cell
+
+
+CONFIG_IDS = ("ar", "b8-k4-w2048-bs8", "b4-k4-w2048-bs8", "dflash-w2048-bs8")
+
+
+def test_a_baseline_on_a_slower_hour_is_compared_pace_normalised(tmp_path: Path) -> None:
+    base = write_run(tmp_path / "base", [paced_cell(c, [99.0, 101.0], [1.0, 1.0]) for c in CONFIG_IDS])
+    slow_hour = write_run(tmp_path / "slow", [paced_cell(c, [49.5, 50.5], [0.5, 0.5]) for c in CONFIG_IDS])
+    comparison = compare_runs(slow_hour, base)
+    assert comparison.ok and comparison.pace_probe == "cpu-v1"
+    assert "tok/s compared pace-normalised (tok/s / pace, probe cpu-v1)" in comparison.differences()
+    # a 30% regression on a 40% faster hour: the raw tok/s look the same, the pace says otherwise
+    hidden = write_run(tmp_path / "hidden", [paced_cell(c, [97.0, 99.0], [1.4, 1.4]) for c in CONFIG_IDS])
+    assert not compare_runs(hidden, base).ok
