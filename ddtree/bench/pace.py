@@ -30,9 +30,13 @@ one-off stall inside the probe is not the machine's pace):
           gemm         bf16 [64, 4096] x [4096, 4096] products: small-batch GEMMs
           hbm          device-to-device copies of a 256 MiB buffer: memory bandwidth
 
-The pace score is the geometric mean over components of REFERENCE_MS / measured ms: 1.0 on the
-reference machine (the 2-core CI VM on a quiet hour; an H200 for cuda), 0.5 when everything takes
-twice as long. Only ratios of scores measured by the same probe (`probe` id) mean anything.
+The pace score is the weighted geometric mean over components of REFERENCE_MS / measured ms: 1.0
+on the reference machine (the 2-core CI VM on a quiet hour; an H200 for cuda), 0.5 when everything
+takes twice as long. The weights are each part's share of a served token's time: on the CPU fixture
+pair about half of a streamed token's time is crossing processes (6.7 ms a token on a quiet VM,
+4.4 ms when another process keeps the vCPUs awake, with the same compute), so the relay weighs half
+and the three compute parts share the rest; on CUDA the four parts weigh alike. Only ratios of
+scores measured by the same probe (`probe` id) mean anything.
 
     python -m ddtree.bench.pace [--device cpu|cuda] [--json]     # one reading
     python -m ddtree.bench.pace --serve                          # a reading per "probe" line on stdin
@@ -53,13 +57,17 @@ from typing import Any
 
 import torch
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 CHUNKS = 5
 # ms per chunk of each component on the reference machines (quiet 2-core CI VM; H200), so a score of 1.0 is
 # that machine at its usual pace
 REFERENCE_MS = {
     "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "relay": 12.0},
     "cuda": {"interpreter": 14.0, "launch": 5.0, "gemm": 1.5, "hbm": 2.5},
+}
+WEIGHTS = {
+    "cpu": {"interpreter": 1 / 6, "dispatch": 1 / 6, "gemm": 1 / 6, "relay": 1 / 2},
+    "cuda": {"interpreter": 1 / 4, "launch": 1 / 4, "gemm": 1 / 4, "hbm": 1 / 4},
 }
 
 
@@ -205,10 +213,10 @@ def time_chunks(chunk: Callable[[], None], chunks: int = CHUNKS) -> float:
 
 
 def score_of(kind: str, components_ms: dict[str, float]) -> float:
-    """Geometric mean of reference / measured over the components (1.0 = the reference machine)."""
-    reference = REFERENCE_MS[kind]
-    logs = [math.log(reference[name] / ms) for name, ms in components_ms.items() if ms > 0]
-    return math.exp(sum(logs) / len(logs))
+    """Weighted geometric mean of reference / measured over the components (1.0 = the reference machine)."""
+    reference, weights = REFERENCE_MS[kind], WEIGHTS[kind]
+    parts = [(weights[name], math.log(reference[name] / ms)) for name, ms in components_ms.items() if ms > 0]
+    return math.exp(sum(w * x for w, x in parts) / sum(w for w, _ in parts))
 
 
 class Probe:

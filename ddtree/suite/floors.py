@@ -1,6 +1,6 @@
 """Floors files: per-cell throughput, acceptance and speed-up over AR, the pace they were recorded at.
 
-    probe: cpu-v1                 # the pace probe that measured `pace` (ddtree.bench.pace)
+    probe: cpu-v2                 # the pace probe that measured `pace` (ddtree.bench.pace)
     tolerance: 0.15               # pace-normalised tok/s may fall this fraction below its floor
     accept_tolerance: 0.05        # accept_length likewise (deterministic at T = 0: tight)
     speedup_tolerance: 0.15       # speedup_vs_ar likewise
@@ -90,7 +90,7 @@ def load_floors(path_or_profile: str | Path) -> Floors:
         check_tolerance(speedup_tolerance, f"{path}: speedup_tolerance")
     probe = data.get("probe")
     if probe is not None and not isinstance(probe, str):
-        raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v1'")
+        raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v2'")
     recorded = data.get("recorded") or {}
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path}: recorded must be a mapping (date, machine, command, pace)")

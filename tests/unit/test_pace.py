@@ -29,11 +29,13 @@ def test_the_probe_uses_torch_and_the_standard_library_only() -> None:
 @pytest.mark.parametrize(("factor", "expected"), [pytest.param(1.0, 1.0, id="reference"),
                                                   pytest.param(2.0, 0.5, id="twice-as-slow"),
                                                   pytest.param(0.5, 2.0, id="twice-as-fast")])
-def test_the_score_is_the_geometric_mean_of_reference_over_measured(factor: float, expected: float) -> None:
+def test_the_score_is_the_weighted_geometric_mean_of_reference_over_measured(factor: float, expected: float) -> None:
     components = {name: ms * factor for name, ms in pace.REFERENCE_MS["cpu"].items()}
     assert pace.score_of("cpu", components) == pytest.approx(expected)
-    one_slow = dict(pace.REFERENCE_MS["cpu"], relay=pace.REFERENCE_MS["cpu"]["relay"] * 16)
-    assert pace.score_of("cpu", one_slow) == pytest.approx(0.5)  # 16x on one of four components: 16^(1/4) = 2
+    slow_relay = dict(pace.REFERENCE_MS["cpu"], relay=pace.REFERENCE_MS["cpu"]["relay"] * 4)
+    assert pace.score_of("cpu", slow_relay) == pytest.approx(0.5)  # the relay weighs half: 4^(1/2) = 2
+    slow_gemm = dict(pace.REFERENCE_MS["cuda"], gemm=pace.REFERENCE_MS["cuda"]["gemm"] * 16)
+    assert pace.score_of("cuda", slow_gemm) == pytest.approx(0.5)  # a quarter on CUDA: 16^(1/4) = 2
 
 
 def test_a_reading_times_every_component_and_the_relay_hops_die_with_the_probe() -> None:
@@ -43,7 +45,7 @@ def test_a_reading_times_every_component_and_the_relay_hops_die_with_the_probe()
         pids = list(probe.relay.pids)  # type: ignore[union-attr]
     finally:
         probe.close()
-    assert reading["probe"] == "cpu-v1" and set(reading["components_ms"]) == CPU_COMPONENTS
+    assert reading["probe"] == "cpu-v2" and set(reading["components_ms"]) == CPU_COMPONENTS
     assert all(ms > 0 for ms in reading["components_ms"].values()) and reading["score"] > 0
     assert reading["seconds"] < 10
     for pid in pids:  # reaped by close(): no such process any more
