@@ -189,8 +189,9 @@ def _probe(launcher: Namespaces, uid: int) -> str:
 
 
 def read_status(fd: int) -> dict[str, Any]:
-    """What bwrap has written to its --json-status-fd so far (child-pid, pid-namespace, exit-code),
-    merged; fd is set non-blocking, so this returns at once while bwrap still runs."""
+    """What bwrap has written to its --json-status-fd so far, merged: child-pid and pid-namespace
+    once the sandbox's init exists, exit-code once the command it started has exited (absent when
+    the setup or the exec failed). fd is set non-blocking, so this returns at once while bwrap runs."""
     os.set_blocking(fd, False)
     chunks = []
     while True:

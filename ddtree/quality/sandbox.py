@@ -360,7 +360,7 @@ def _run_in_namespaces(launcher: Namespaces, program: str, limits: list[str], no
                 _kill_group(proc)
     finally:
         os.close(status_read)
-    if "child-pid" not in status:
+    if exited and "exit-code" not in status:  # bwrap reports one only once the interpreter has been started
         return _Ran(proc.returncode, exited, "the sandbox did not start")
     return _Ran(_shell_status_to_signal(proc.returncode), exited)
 
