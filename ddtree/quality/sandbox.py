@@ -27,10 +27,10 @@ PID namespace; `check_program` returns only after that.
 
 What the boundary relies on: the kernel's namespaces and its user-namespace permission checks,
 bubblewrap's setup, and unprivileged user namespaces being allowed. What it does not cover: kernel
-bugs reachable from inside a user namespace (there is no seccomp filter), the machine-wide
-information /proc and /sys-like files show (CPU, memory, uptime), denial of service within the
-limits (CPU time, memory, 64 MiB per writable folder, the wall clock), side channels, and the
-interpreter installation's own site-packages, which the program can read and import.
+bugs reachable from inside a user namespace (there is no seccomp filter), the machine-wide facts
+/proc shows (CPU, memory, uptime, kernel version), denial of service within the limits (CPU time,
+memory, 64 MiB per writable folder, the wall clock) and side channels. What the base installation
+holds, its site-packages included, the program can read and import.
 
 Where namespaces cannot be made (no bubblewrap, user namespaces disabled), `check_program` raises
 SandboxUnavailable, saying how to enable them, and runs nothing. With `unsafe_exec=True` it runs

@@ -97,10 +97,15 @@ def test_unsafe_exec_keeps_namespaces_where_they_can_be_made(tmp_path: Path) -> 
 
 
 def test_the_gate_refuses_before_asking_the_model(no_namespaces: Path) -> None:
-    asked = []
+    asked: list[str] = []
     problem = load_problems()["HumanEval/2"]
+
+    def complete(prompt: str, n: int) -> list[str]:
+        asked.append(prompt)
+        return [problem.canonical_solution] * n
+
     with pytest.raises(SandboxUnavailable, match="cannot run model-written code in namespaces"):
-        run_gate([problem], lambda prompt, n: asked.append(prompt) or [problem.canonical_solution] * n)
+        run_gate([problem], complete)
     assert asked == []
 
 
