@@ -4,6 +4,7 @@
     ├── ConfigError (also ValueError)   a configuration value is outside its allowed range
     ├── ModelLoadError                  a model folder is missing, malformed or does not fit its partner
     ├── RequestError (also ValueError)  one request is bad; the server answers 4xx and keeps serving
+    ├── SandboxUnavailable              model-written code cannot be run inside namespaces on this machine
     └── ServiceError                    the service lifecycle failed
         ├── ServiceStartError           the process died or never became ready (carries the log tail)
         └── ServiceVerifyError          the running service does not match what was deployed
@@ -33,6 +34,11 @@ class RequestError(DDTreeError, ValueError):
         super().__init__(message)
         self.field = field
         self.status_code = status_code
+
+
+class SandboxUnavailable(DDTreeError):
+    """The namespace sandbox cannot start here (no bubblewrap, user namespaces disabled, an
+    interpreter the user cannot run); the message says how to enable it."""
 
 
 class ServiceError(DDTreeError):

@@ -159,7 +159,8 @@ def _quality(cell: CellResult) -> str:
     q = cell.quality
     if not q or q.get("pass_at_k") is None:
         return "-"
-    return f"{q['pass_at_k']:.3f} (k={q.get('k')}, n={q.get('n')})"
+    unsafe = ", best-effort isolation: --unsafe-exec" if q.get("isolation") == "best-effort" else ""
+    return f"{q['pass_at_k']:.3f} (k={q.get('k')}, n={q.get('n')}{unsafe})"
 
 
 def _table(cells: Sequence[CellResult], default_id: str, comparison: Comparison | None = None) -> list[str]:

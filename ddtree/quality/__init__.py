@@ -15,10 +15,11 @@ from ddtree.quality.humaneval import (
     truncate_completion,
 )
 from ddtree.quality.passk import mean_pass_at_k, pass_at_k
-from ddtree.quality.sandbox import Outcome, check_program
+from ddtree.quality.sandbox import Isolation, Outcome, check_program, sandbox_isolation
 
 __all__ = [
     "GateReport",
+    "Isolation",
     "Outcome",
     "Problem",
     "ProblemResult",
@@ -33,5 +34,6 @@ __all__ = [
     "mean_pass_at_k",
     "pass_at_k",
     "run_gate",
+    "sandbox_isolation",
     "truncate_completion",
 ]

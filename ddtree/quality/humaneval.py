@@ -28,7 +28,7 @@ from typing import Any
 
 from ddtree.errors import ConfigError
 from ddtree.quality.passk import mean_pass_at_k
-from ddtree.quality.sandbox import Outcome, check_program
+from ddtree.quality.sandbox import Isolation, Outcome, check_program, sandbox_isolation
 
 __all__ = [
     "CHAT_INSTRUCTION",
@@ -199,6 +199,7 @@ class GateReport:
     k: int
     n: int
     per_problem: list[ProblemResult] = field(default_factory=list)
+    isolation: Isolation = "namespaces"  # "best-effort": some program ran outside namespaces (unsafe_exec)
 
     @property
     def pass_at_k(self) -> float:
@@ -210,6 +211,7 @@ class GateReport:
             "n": self.n,
             "pass_at_k": self.pass_at_k,
             "problems": len(self.per_problem),
+            "isolation": self.isolation,
             "per_problem": [r.to_dict() for r in self.per_problem],
         }
 
@@ -224,6 +226,7 @@ def run_gate(
     memory_mb: int = 1024,
     truncate: bool = True,
     mode: str = "completion",
+    unsafe_exec: bool = False,
 ) -> GateReport:
     """Ask complete(prompt, n) for n completions per problem and check each in the sandbox.
 
@@ -232,6 +235,10 @@ def run_gate(
 
     Completions are requested one problem at a time (the model is not assumed to be thread-safe)
     while earlier problems' programs are checked by a pool of GATE_WORKERS threads.
+
+    Programs run in namespaces; where those cannot be made this raises SandboxUnavailable before
+    asking for any completion, unless unsafe_exec, which runs them with best-effort isolation and
+    records that in the report's `isolation`.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"n: {n!r} completions per problem; allowed: an integer >= 1")
@@ -241,6 +248,7 @@ def run_gate(
         raise ConfigError("problems: empty; the gate needs at least one problem")
     if mode not in MODES:
         raise ConfigError(f"mode: {mode!r}; allowed: {', '.join(MODES)}")
+    isolation = sandbox_isolation(unsafe_exec)  # refuse before the model is asked for anything
     pending: list[tuple[Problem, list[Future[Outcome]]]] = []
     with ThreadPoolExecutor(max_workers=GATE_WORKERS, thread_name_prefix="ddtree-gate") as pool:
         for problem in problems:
@@ -254,11 +262,13 @@ def run_gate(
                     program = build_chat_program(problem, extract_code(text))
                 else:
                     program = build_program(problem, truncate_completion(text) if truncate else text)
-                futures.append(pool.submit(check_program, program, timeout_s, memory_mb))
+                futures.append(pool.submit(check_program, program, timeout_s, memory_mb, unsafe_exec=unsafe_exec))
             pending.append((problem, futures))
-        report = GateReport(k=k, n=n)
+        report = GateReport(k=k, n=n, isolation=isolation)
         for problem, futures in pending:
             outcomes = [f.result() for f in futures]
+            if any(o.isolation == "best-effort" for o in outcomes):
+                report.isolation = "best-effort"
             failures = [o for o in outcomes if not o.passed]
             report.per_problem.append(
                 ProblemResult(

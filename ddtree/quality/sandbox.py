@@ -16,16 +16,34 @@ returns writes a marker line carrying the nonce to fd 1. The nonce is never in a
 environment, so the program cannot copy it from there, and a program that prints a look-alike
 marker, or exits with status 0 before its end, does not pass.
 
-Isolation, best effort -- NOT a security boundary. The child runs `python -I` in a fresh temporary
-directory (removed afterwards), in its own session, with rlimits on address space (memory_mb),
-CPU time, file size, core dumps and, for non-root users, process count; its environment is empty
-but for a tag, so no proxy settings leak in; a preamble makes socket creation and name lookup raise
-PermissionError. Code in the same interpreter can undo any of that (reach the real socket type via
-`__subclasses__`, dig the nonce out of memory with gc, or spawn a process with network access):
-this guards against generated code that goes wrong by accident, not against code written to
-escape. When `check_program` returns, the child's process group has been SIGKILLed, and so has
-every process still carrying the tag in its environment (children that left the group with
-setsid); a process that both leaves the group and clears its environment can escape.
+Isolation. By default the program runs inside new user, mount, PID, network, IPC and UTS
+namespaces made by bubblewrap (ddtree/quality/namespaces.py says why bubblewrap and exactly what the
+program sees): the base Python installation and the system folders read-only; an empty, private,
+writable working directory, /tmp and /dev/shm; a loopback-only network with nothing listening; no
+$HOME, /root, project checkout, results folder or socket of the user's; uid 65534 with no
+capabilities. The rlimits below apply inside too. When the program's main process exits, or the
+wall clock runs out and the sandbox's init is killed, the kernel kills every process left in its
+PID namespace; `check_program` returns only after that.
+
+What the boundary relies on: the kernel's namespaces and its user-namespace permission checks,
+bubblewrap's setup, and unprivileged user namespaces being allowed. What it does not cover: kernel
+bugs reachable from inside a user namespace (there is no seccomp filter), the machine-wide facts
+/proc shows (CPU, memory, uptime, kernel version), denial of service within the limits (CPU time,
+memory, 64 MiB per writable folder, the wall clock) and side channels. What the base installation
+holds, its site-packages included, the program can read and import.
+
+Where namespaces cannot be made (no bubblewrap, user namespaces disabled), `check_program` raises
+SandboxUnavailable, saying how to enable them, and runs nothing. With `unsafe_exec=True` it runs
+the program with best-effort isolation instead and says so in Outcome.isolation: `python -I` in a
+fresh temporary directory (removed afterwards), in its own session, with the same rlimits, an
+environment empty but for a tag, and a preamble that makes socket creation and name lookup raise
+PermissionError; afterwards the process group and every process still carrying the tag are
+SIGKILLed. That guards against code that goes wrong by accident, not code written to escape: the
+program can undo the preamble, read and write the user's files, reach the network, signal the
+user's processes and leave a process behind that left the group and cleared its environment.
+
+Limits, both ways: address space (memory_mb), CPU time, file size (OUTPUT_LIMIT_BYTES, which caps
+stdout/stderr too), core dumps and, for non-root users, process count.
 """
 
 from __future__ import annotations
@@ -40,16 +58,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Literal
 
 import psutil
 
-from ddtree.errors import ConfigError
+from ddtree.errors import ConfigError, SandboxUnavailable
+from ddtree.quality.namespaces import Namespaces, end_namespace, namespaces, read_status
 
-__all__ = ["Outcome", "Status", "check_program"]
+__all__ = ["Isolation", "Outcome", "Status", "check_program", "sandbox_isolation"]
 
 Status = Literal["passed", "failed", "timeout", "error"]
+Isolation = Literal["namespaces", "best-effort"]
 
 MAX_TIMEOUT_S = 3600.0
 MIN_MEMORY_MB = 64  # the interpreter itself needs ~20 MB of address space before any user code
@@ -60,6 +80,7 @@ TAIL_BYTES = 64 << 10  # how much of stdout/stderr is read back
 DETAIL_LINES = 20
 TAG_VAR = "DDTREE_SANDBOX_TAG"
 MARKER_PREFIX = "__ddtree_sandbox"
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # Runs as `python -I -c BOOTSTRAP cpu_s mem_bytes fsize_bytes nproc`. Nothing here is secret:
 # the nonce arrives on stdin. The setup function returns a C-level callable (any over map over
@@ -147,6 +168,7 @@ class Outcome:
     status: Status
     detail: str = ""
     elapsed_s: float = 0.0
+    isolation: Isolation = "namespaces"  # "best-effort": run with unsafe_exec where namespaces could not start
 
     @property
     def passed(self) -> bool:
@@ -197,13 +219,17 @@ def _wait_exited(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
         os.close(pidfd)
 
 
-def _kill_everything(proc: subprocess.Popen[bytes], tag: str) -> None:
-    """SIGKILL the child's process group, then any process that left the group but still carries the tag."""
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's process group (the child alone, under bwrap) and reap the child."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL every process that left the group but still carries the tag (best-effort runs)."""
     me = os.getpid()
     for other in psutil.process_iter():
         if other.pid == me:
@@ -241,13 +267,30 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, onerror=retry)
 
 
-def check_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> Outcome:
-    """Run `program` with `python -I` in a throwaway directory; see the module docstring."""
+def sandbox_isolation(unsafe_exec: bool = False) -> Isolation:
+    """The isolation check_program will use: "namespaces", or with unsafe_exec "best-effort" where
+    namespaces cannot be made. Raises SandboxUnavailable, saying how to enable them, otherwise."""
+    return "best-effort" if _launcher(unsafe_exec) is None else "namespaces"
+
+
+def _launcher(unsafe_exec: bool) -> Namespaces | None:
+    try:
+        return namespaces()
+    except SandboxUnavailable:
+        if unsafe_exec:
+            return None
+        raise
+
+
+def check_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, *,
+                  unsafe_exec: bool = False) -> Outcome:
+    """Run `program` with `python -I` in namespaces (see the module docstring); unsafe_exec: where
+    namespaces cannot be made, run it with best-effort isolation instead of raising SandboxUnavailable."""
     if not isinstance(program, str):
         raise ConfigError(f"program: expected source text (str), got {type(program).__name__}")
     _validate(timeout_s, memory_mb)
+    launcher = _launcher(unsafe_exec)
     nonce = secrets.token_hex(16)
-    tag = secrets.token_hex(8)
     done = f"{MARKER_PREFIX}_done_{nonce}__"
     bad_syntax = f"{MARKER_PREFIX}_syntax_{nonce}__"
     limits = [
@@ -256,39 +299,102 @@ def check_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) 
         str(OUTPUT_LIMIT_BYTES),
         str(_nproc_limit()),
     ]
-    env = {TAG_VAR: tag, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    workdir = tempfile.mkdtemp(prefix="ddtree-sandbox-")
+    isolation: Isolation = "best-effort" if launcher is None else "namespaces"
     start = time.monotonic()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        if launcher is None:
+            ran = _run_best_effort(program, limits, nonce, timeout_s, out, err)
+        else:
+            ran = _run_in_namespaces(launcher, program, limits, nonce, timeout_s, out, err)
+        elapsed = time.monotonic() - start
+        stdout, stderr = _tail(out), _tail(err)
+    if ran.failed_to_start:
+        detail = f"{ran.failed_to_start}: {_last_lines(stderr)}" if stderr.strip() else ran.failed_to_start
+        return Outcome("error", detail, elapsed, isolation)
+    outcome = _classify(ran.returncode, ran.exited, stdout, stderr, done, bad_syntax, timeout_s, elapsed)
+    return replace(outcome, isolation=isolation)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    returncode: int
+    exited: bool  # within the wall-clock limit
+    failed_to_start: str = ""  # why the interpreter never ran; empty when it did
+
+
+def _feed_nonce_and_wait(proc: subprocess.Popen[bytes], nonce: str, timeout_s: float) -> bool:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(nonce.encode() + b"\n")
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the child died before reading; its exit status tells why
+    return _wait_exited(proc, timeout_s)
+
+
+def _run_in_namespaces(launcher: Namespaces, program: str, limits: list[str], nonce: str, timeout_s: float,
+                       out: IO[bytes], err: IO[bytes]) -> _Ran:
+    """bwrap copies the program into the sandbox's working directory from a descriptor and reports
+    its init's pid and PID namespace on a pipe, which is how a timed-out sandbox is ended."""
+    status_read, status_write = os.pipe()
+    try:
+        with tempfile.TemporaryFile() as source:
+            source.write(program.encode("utf-8"))
+            source.flush()
+            source.seek(0)
+            try:
+                proc = subprocess.Popen(
+                    launcher.command(source.fileno(), status_write) + ["-I", "-c", _BOOTSTRAP, *limits],
+                    stdin=subprocess.PIPE, stdout=out, stderr=err, cwd="/", env=THREAD_ENV,
+                    start_new_session=True, pass_fds=(source.fileno(), status_write),
+                )
+            except OSError as exc:
+                return _Ran(-1, True, f"could not start {launcher.bwrap}: {exc}")
+            finally:
+                os.close(status_write)
+            try:
+                exited = _feed_nonce_and_wait(proc, nonce, timeout_s)
+            finally:
+                status = read_status(status_read)
+                end_namespace(status)
+                _kill_group(proc)
+    finally:
+        os.close(status_read)
+    if exited and "exit-code" not in status:  # bwrap reports one only once the interpreter has been started
+        return _Ran(proc.returncode, exited, "the sandbox did not start")
+    return _Ran(_shell_status_to_signal(proc.returncode), exited)
+
+
+def _shell_status_to_signal(returncode: int) -> int:
+    """bwrap reports a child killed by signal N as exit status 128 + N (the shell's convention);
+    -N is how the rest of this module, like subprocess, says it. A program that itself exits with
+    129..192 reads as killed: either way it did not pass."""
+    if 128 < returncode <= 128 + signal.NSIG:
+        return -(returncode - 128)
+    return returncode
+
+
+def _run_best_effort(program: str, limits: list[str], nonce: str, timeout_s: float,
+                     out: IO[bytes], err: IO[bytes]) -> _Ran:
+    tag = secrets.token_hex(8)
+    workdir = tempfile.mkdtemp(prefix="ddtree-sandbox-")
     try:
         with open(os.path.join(workdir, "program.py"), "w", encoding="utf-8") as f:
             f.write(program)
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-c", _BOOTSTRAP, *limits],
-                    stdin=subprocess.PIPE,
-                    stdout=out,
-                    stderr=err,
-                    cwd=workdir,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as exc:
-                return Outcome("error", f"could not start the interpreter: {exc}", time.monotonic() - start)
-            try:
-                assert proc.stdin is not None
-                try:
-                    proc.stdin.write(nonce.encode() + b"\n")
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass  # the child died before reading; its exit status tells why
-                exited = _wait_exited(proc, timeout_s)
-            finally:
-                _kill_everything(proc, tag)
-            elapsed = time.monotonic() - start
-            stdout, stderr = _tail(out), _tail(err)
-        return _classify(proc.returncode, exited, stdout, stderr, done, bad_syntax, timeout_s, elapsed)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOTSTRAP, *limits],
+                stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir, env={TAG_VAR: tag, **THREAD_ENV},
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            return _Ran(-1, True, f"could not start the interpreter: {exc}")
+        try:
+            exited = _feed_nonce_and_wait(proc, nonce, timeout_s)
+        finally:
+            _kill_group(proc)
+            _kill_tagged(tag)
+        return _Ran(proc.returncode, exited)
     finally:
         _remove_tree(workdir)
 

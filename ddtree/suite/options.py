@@ -56,6 +56,9 @@ HELP = {
     "client_processes": "HTTP client processes that share each cell's concurrency (default 1; one asyncio client "
                         "sends a wave's requests one after another, so at high concurrency it can set the pace)",
     "start_retries": "extra start attempts for a config whose start failed, 0 or 1 (default 0: one start per config)",
+    "unsafe_exec": "where namespaces cannot be made (no bubblewrap, user namespaces disabled), run the coding gate's "
+                   "model-written programs with best-effort isolation instead of refusing; the gate's record and the "
+                   "summary say so (model code can then read your files, reach the network and signal your processes)",
 }
 SUITE_INI = "ddtree_suite"
 SUITE_INI_HELP = "true: this project runs the ddtree suite (its hooks act even without a ddtree option)"
@@ -94,6 +97,7 @@ def add_options(parser: pytest.Parser) -> None:
     opt("ssh-config", metavar="PATH")
     opt("start-retries", metavar="N")
     opt("client-processes", metavar="N")
+    opt("unsafe-exec", ini=False, action="store_true", default=False)
     parser.addini(SUITE_INI, SUITE_INI_HELP, type="bool", default=False)
 
 
@@ -144,6 +148,7 @@ class SuiteOptions:
     service_hosts: list[str] = field(default_factory=list)
     max_context: int | None = None
     model_path_given: bool = False  # --model-path was passed (auto tokenization may read it)
+    unsafe_exec: bool = False  # the coding gate may fall back to best-effort isolation
     dialect: Dialect = field(default_factory=default_dialect)
     tokenize: str = "auto"
     ssh_config: str | None = None
@@ -296,6 +301,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         service_hosts=hosts,
         max_context=max_context,
         model_path_given=model_raw is not None,
+        unsafe_exec=bool(config.getoption("ddtree_unsafe_exec")),
         dialect=dialect,
         tokenize=tokenize,
         ssh_config=str(Path(ssh_config).expanduser()) if ssh_config else None,

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from ddtree.bench.report import write_sweep_summary
-from ddtree.bench.results import write_summary_csv
+from ddtree.bench.results import read_quality, write_summary_csv
 from ddtree.bench.verdicts import pace_lines, write_verdicts
 from ddtree.service.manager import ServiceDied
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, Expansion, parametrize, sort_items
@@ -322,4 +322,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if options.update_floors:
         n = sum(len(v) for v in state.floor_updates.values())
         tr.write_line(f"floors recorded: {n} cells into {options.floors.path}")
+    unsafe = [cid for cid, record in read_quality(options.results_dir).items() if record.get("isolation") == "best-effort"]
+    if unsafe:
+        tr.write_line(f"coding gate: model-written programs ran with best-effort isolation, not in namespaces "
+                      f"(--unsafe-exec): {', '.join(unsafe)}", red=True)
     tr.write_line(f"results: {options.results_dir}")

@@ -10,6 +10,9 @@ block is run. For DFLASH/DDTREE the token-weighted accept length over the gate's
 completion_tokens / sum spec_verify_ct, from meta_info or from sglext.spec_tokens_details) must
 reach the grid's accept_floor, so a drafter that collapsed to one token per step fails even when
 the outputs are still right.
+
+Programs run in namespaces (ddtree/quality/sandbox.py); where those cannot be made the gate refuses
+before asking the model for anything, unless --unsafe-exec, and the record's `isolation` says which ran.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def test_coding_gate(config_cell: SpecConfig, deployed: ServiceManager, suite: S
     base_url = deployed.backend.base_url
     complete = (ChatCompleter(base_url, q.temperature, q.max_new_tokens, q.chat_template_kwargs) if q.mode == "chat"
                 else Completer(base_url, q.temperature, q.max_new_tokens))
-    report = run_gate(problems, complete, k=q.k, n=q.n, mode=q.mode)
+    report = run_gate(problems, complete, k=q.k, n=q.n, mode=q.mode, unsafe_exec=suite.unsafe_exec)
 
     accept_ok = not config_cell.speculative or (complete.accept_length or 0) >= q.accept_floor
     record = {"config_id": config_cell.id, "mode": q.mode, "accept_length": complete.accept_length,

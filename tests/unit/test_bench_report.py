@@ -119,3 +119,17 @@ def test_the_coding_gate_of_each_config_shows_in_its_rows(tmp_path: Path) -> Non
     assert len(chain_rows) == 4 and all("0.750 (k=1, n=2)" in row for row in chain_rows)
     other_rows = [line for line in text.splitlines() if line.startswith(f"| {BIG} ")]
     assert other_rows and all("| - |" in row for row in other_rows)  # no gate ran for BIG
+
+
+def test_a_gate_that_ran_outside_namespaces_says_so_in_its_rows(tmp_path: Path) -> None:
+    for c in grid():
+        write_cell(tmp_path, c)
+    (tmp_path / "quality").mkdir()
+    for config_id, isolation in ((CHAIN, "best-effort"), (BIG, "namespaces")):
+        (tmp_path / "quality" / f"{config_id}.json").write_text(
+            '{"config_id": "%s", "k": 1, "n": 1, "pass_at_k": 1.0, "isolation": "%s"}' % (config_id, isolation))
+    lines = write_sweep_summary(tmp_path, DEFAULT, None).read_text().splitlines()
+    chain_rows = [line for line in lines if line.startswith(f"| {CHAIN} ")]
+    assert chain_rows and all("1.000 (k=1, n=1, best-effort isolation: --unsafe-exec)" in row for row in chain_rows)
+    big_rows = [line for line in lines if line.startswith(f"| {BIG} ")]
+    assert big_rows and all("1.000 (k=1, n=1) |" in row for row in big_rows)

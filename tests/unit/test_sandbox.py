@@ -1,9 +1,13 @@
-"""check_program: the four statuses, the completion nonce, limits, cleanup of processes and files."""
+"""check_program in namespaces (the default): the four statuses, the completion nonce, limits, the
+sandbox's view, and that no process outlives the check. Escape attempts are in test_sandbox_escapes.py,
+the refusal without namespaces and the best-effort fallback in test_sandbox_unavailable.py."""
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -15,23 +19,18 @@ from ddtree.quality import Outcome, check_program
 from ddtree.quality.sandbox import MARKER_PREFIX, OUTPUT_LIMIT_BYTES
 
 
-def assert_gone(pid: int, within_s: float = 2.0) -> None:
-    """The process is dead (a zombie waiting for init to reap it counts as dead)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            status = psutil.Process(pid).status()
-        except psutil.NoSuchProcess:
-            return
-        if status == psutil.STATUS_ZOMBIE:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pid {pid} survived check_program (status {status})")
-        time.sleep(0.05)
+def alive_with(token: str) -> list[psutil.Process]:
+    """Processes on this machine, zombies aside, whose command line has `token` as an argument."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if token in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
 
 
-def read_pids(path: Path) -> list[int]:
-    return [int(line) for line in path.read_text().split()]
+def sleeper(token: str) -> str:
+    """Source of an argv list for a Python that sleeps a minute, findable from outside by `token`."""
+    return f"[sys.executable, '-c', 'import time; time.sleep(60)', {token!r}]"
 
 
 # --- the four statuses ---------------------------------------------------------------------------
@@ -69,17 +68,16 @@ def test_program_that_does_not_compile_is_an_error(program: str) -> None:
     assert "Error" in outcome.detail
 
 
-def test_infinite_loop_times_out_within_the_limit_and_leaves_nothing(tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
-    program = f"import os\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    pass\n"
+def test_infinite_loop_times_out_within_the_limit_and_leaves_nothing() -> None:
+    token = secrets.token_hex(8)
+    program = f"import subprocess, sys\nsubprocess.Popen({sleeper(token)})\nwhile True:\n    pass\n"
     start = time.monotonic()
     outcome = check_program(program, timeout_s=1.0)
     took = time.monotonic() - start
     assert outcome.status == "timeout", outcome
     assert took < 1.0 + 2.0, f"returned after {took:.2f}s, limit 1s + 2s slack"
     assert "1s" in outcome.detail
-    for pid in read_pids(pids):
-        assert_gone(pid)
+    assert alive_with(token) == []  # gone when check_program returns, not some time later
 
 
 def test_sleeping_program_is_killed_by_the_wall_clock() -> None:
@@ -157,60 +155,94 @@ def test_program_runs_as_main_in_a_clean_namespace() -> None:
 # --- processes, files, limits --------------------------------------------------------------------
 
 
-def test_forked_child_is_killed(tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
+def test_forked_child_is_killed() -> None:
+    token = secrets.token_hex(8)
     program = (
-        "import os, time\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    time.sleep(60)\n"
-        "    os._exit(0)\n"
-        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{pid}}')\n"
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        f"    argv = {sleeper(token)}\n"
+        "    os.execv(argv[0], argv)\n"
     )
     outcome = check_program(program)
     assert outcome.passed, outcome
-    found = read_pids(pids)
-    assert len(found) == 2
-    for pid in found:
-        assert_gone(pid)
+    assert alive_with(token) == []
 
 
-def test_child_that_left_the_process_group_is_killed(tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
+def test_children_that_left_the_group_or_cleared_the_environment_are_killed_on_timeout() -> None:
+    token = secrets.token_hex(8)
     program = (
-        "import os, subprocess, sys\n"
-        "same = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "other = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
-        f"open({str(pids)!r}, 'w').write(f'{{same.pid}} {{other.pid}}')\n"
+        "import subprocess, sys\n"
+        f"subprocess.Popen({sleeper(token)})\n"
+        f"subprocess.Popen({sleeper(token)}, start_new_session=True, env={{}})\n"
         "while True:\n"
         "    pass\n"
     )
     # 3 s: time for a loaded 2-core machine to start the program and both children before the limit cuts it
     outcome = check_program(program, timeout_s=3.0)
     assert outcome.status == "timeout", outcome
-    found = read_pids(pids)
-    assert len(found) == 2
-    for pid in found:
-        assert_gone(pid)
+    assert alive_with(token) == []
 
 
-def test_runs_in_a_fresh_directory_that_is_removed(tmp_path: Path) -> None:
-    cwd_file = tmp_path / "cwd"
+def test_a_double_forked_orphan_of_a_passing_program_is_gone_when_the_check_returns() -> None:
+    token = secrets.token_hex(8)
+    program = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        argv = {sleeper(token)}\n"
+        "        os.execve(argv[0], argv, {})\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        "time.sleep(0.3)  # the orphan has started\n"
+    )
+    outcome = check_program(program)
+    assert outcome.passed, outcome
+    assert alive_with(token) == []
+
+
+def test_each_run_gets_an_empty_private_working_directory_tmp_and_dev_shm() -> None:
     program = (
         "import os\n"
+        "assert os.getcwd() == '/sandbox', os.getcwd()\n"
         "assert os.listdir('.') == ['program.py'], os.listdir('.')\n"
-        "open('left-behind.txt', 'w').write('x')\n"
+        "assert os.listdir('/tmp') == [] and os.listdir('/dev/shm') == [], (os.listdir('/tmp'), os.listdir('/dev/shm'))\n"
+        "for folder in ('.', '/tmp', '/dev/shm'):\n"
+        "    open(os.path.join(folder, 'left-behind.txt'), 'w').write('x')\n"
         "os.mkdir('sub')\n"
         "os.chmod('sub', 0o500)\n"
-        f"open({str(cwd_file)!r}, 'w').write(os.getcwd())\n"
     )
     first = check_program(program)
     assert first.passed, first
-    first_dir = cwd_file.read_text()
-    assert first_dir and not os.path.exists(first_dir), f"{first_dir} still exists"
-    second = check_program(program)  # would fail its listdir assert if the directory were reused
+    second = check_program(program)  # would fail its listdir asserts if anything were shared between runs
     assert second.passed, second
-    assert cwd_file.read_text() != first_dir
+
+
+def test_the_sandbox_view() -> None:
+    # the documented view (ddtree/quality/namespaces.py): nobody without capabilities, its own
+    # hostname, a root of system folders and private tmpfs folders, a loopback-only network
+    program = (
+        "import os, socket\n"
+        "assert (os.getuid(), os.getgid()) == (65534, 65534), (os.getuid(), os.getgid())\n"
+        "status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines() if ':\\t' in line)\n"
+        "assert all(int(status[k], 16) == 0 for k in ('CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb')), status\n"
+        "assert socket.gethostname() == 'sandbox', socket.gethostname()\n"
+        "top = set(os.listdir('/'))\n"
+        "assert top <= {'usr', 'bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32', 'etc', 'proc', 'dev', 'tmp', 'sandbox',\n"
+        "               'root', 'home', 'opt'}, top  # root/home/opt: only if the interpreter's installation is there\n"
+        "assert not os.path.isdir('/etc') or os.listdir('/etc') == ['ld.so.cache'], os.listdir('/etc')\n"
+        "assert sorted(os.listdir('/sys/class/net') if os.path.isdir('/sys/class/net') else\n"
+        "              [line.split(':')[0].strip() for line in open('/proc/net/dev').read().splitlines()[2:]]) == ['lo']\n"
+        "assert os.getppid() == 1 and sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == [1, os.getpid()]\n"
+    )
+    outcome = check_program(program)
+    assert outcome.passed, outcome
+
+
+def test_only_stdin_stdout_and_stderr_are_inherited() -> None:
+    program = "import os\nfds = sorted(int(fd) for fd in os.listdir('/proc/self/fd'))\nassert fds[:3] == [0, 1, 2] and len(fds) == 4, fds\n"
+    outcome = check_program(program)  # the fourth is listdir's own
+    assert outcome.passed, outcome
 
 
 def test_memory_bomb_fails() -> None:
@@ -262,6 +294,25 @@ def test_environment_is_empty_of_proxies(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
     program = "import os\nassert not [k for k in os.environ if 'proxy' in k.lower()], dict(os.environ)\n"
     assert check_program(program).passed
+
+
+def test_a_sandbox_that_fails_to_set_up_is_an_error_with_bwraps_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a bwrap that works for the start-up check but cannot mount a missing folder for real runs
+    # (those, unlike the check, report on --json-status-fd)
+    real = shutil.which("bwrap")
+    assert real is not None
+    wrapper = tmp_path / "bin" / "bwrap"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --json-status-fd "*) exec ' + real + ' --ro-bind /nonexistent-ddtree /x "$@" ;; esac\n'
+        'exec ' + real + ' "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    outcome = check_program("pass\n")
+    assert outcome.status == "error", outcome
+    assert outcome.detail.startswith("the sandbox did not start: bwrap: Can't find source path /nonexistent-ddtree")
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ fenced python block, pass@k as in completion mode; alone and through the suite (
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -83,4 +84,34 @@ def test_the_suite_runs_the_chat_gate_against_a_chat_service(suite_dir: pytest.P
     result.assert_outcomes(passed=2)  # one per config: ar, b4-k4-w2048-bs8
     record = json.loads((suite_dir.path / "results" / "quality" / "b4-k4-w2048-bs8.json").read_text())
     assert (record["mode"], record["pass_at_k"], record["passed"], record["threshold"]) == ("chat", 1.0, True, 1.0)
+    assert record["isolation"] == "namespaces"
+    assert "best-effort isolation" not in result.stdout.str()
     assert record["accept_length"] >= 2.0  # from sglext.spec_tokens_details, as SGLang reports it
+
+
+NO_USERNS_BWRAP = "#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n"
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["refused", "unsafe-exec"])
+def test_without_namespaces_the_gate_refuses_unless_unsafe_exec_which_is_recorded(
+        suite_dir: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, unsafe: bool) -> None:  # noqa: F811
+    quality = suite_dir.path / "tests" / "quality"
+    quality.mkdir()
+    (quality / "test_coding_gate.py").write_text((REPO / "tests/quality/test_coding_gate.py").read_text())
+    write_grid(suite_dir, {**CHAT_GRID, "configs": [{"budget": 4}]})
+    fake = suite_dir.path / "bin" / "bwrap"  # fails as bwrap does where user namespaces are disabled
+    fake.parent.mkdir()
+    fake.write_text(NO_USERNS_BWRAP)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    result = run(suite_dir, "-m", "quality", "tests/quality", *(["--unsafe-exec"] if unsafe else []))
+    record_path = suite_dir.path / "results" / "quality" / "b4-k4-w2048-bs8.json"
+    if not unsafe:
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*SandboxUnavailable: cannot run model-written code in namespaces*--unsafe-exec*"])
+        assert not record_path.exists()
+        return
+    result.assert_outcomes(passed=1)
+    assert json.loads(record_path.read_text())["isolation"] == "best-effort"
+    result.stdout.fnmatch_lines(["coding gate: model-written programs ran with best-effort isolation, not in namespaces "
+                                 "(--unsafe-exec): b4-k4-w2048-bs8"])
