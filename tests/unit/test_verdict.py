@@ -52,8 +52,11 @@ def test_a_ten_percent_drop_in_acceptance_fails_and_three_percent_passes() -> No
 def test_a_speedup_over_ar_below_its_floor_fails() -> None:
     failures = judge_cell(measured(100.0, 1.0, speedup=0.9), FLOOR, TOL, "cpu-v1", WHERE).failures
     assert failures == [f"speedup_vs_ar 0.900 x AR < floor 1.200 x AR x (1-0.15), {WHERE}"]
-    missing = judge_cell({**measured(100.0, 1.0), "speedup_vs_ar": None}, FLOOR, TOL, "cpu-v1", WHERE).failures
-    assert missing == [f"speedup_vs_ar was not measured, floor 1.200 x AR, {WHERE}"]
+    without_ar = judge_cell({**measured(100.0, 1.0), "speedup_vs_ar": None}, FLOOR, TOL, "cpu-v1", WHERE)
+    assert without_ar.ok and without_ar.notes == [
+        "speed-up over AR not judged: no AR cell at its context and concurrency before it"]
+    no_accept = judge_cell({**measured(100.0, 1.0), "accept_length": None}, FLOOR, TOL, "cpu-v1", WHERE).failures
+    assert no_accept == [f"accept_length was not measured, floor 2.00 accepted tokens/step, {WHERE}"]
 
 
 @pytest.mark.parametrize(("floor", "run", "floors_probe", "why"), [
