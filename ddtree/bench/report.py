@@ -34,9 +34,8 @@ from ddtree.bench.baseline import (
     compare_runs,
     is_results_dir,
     read_baseline_record,
-    render_comparison,
-    render_header,
 )
+from ddtree.bench.comparison_md import render_comparison, render_header
 from ddtree.bench.results import (
     CellResult,
     atomic_write_text,

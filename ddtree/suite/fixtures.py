@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from ddtree.bench.results import PACE_DIR
 from ddtree.config import SpecConfig
 from ddtree.grid import Cell
 from ddtree.service.manager import ServiceManager, SweepAborted
 from ddtree.suite.cells import CELL_ARG, item_spec
-from ddtree.bench.results import PACE_DIR
 from ddtree.suite.options import SuiteOptions, worker_index
 from ddtree.suite.pace import PaceLog, PaceProbe, local_argv, standalone_argv
 from ddtree.suite.state import suite_options, suite_state

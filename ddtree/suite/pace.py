@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ddtree.bench.results import PACE_DIR, atomic_write_text
+from ddtree.bench.results import atomic_write_text
 
 READY_TIMEOUT_S = 300.0  # torch's first import on a cold remote host
 READING_TIMEOUT_S = 120.0
