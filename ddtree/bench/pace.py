@@ -21,10 +21,11 @@ one-off stall inside the probe is not the machine's pace):
                        shapes (one thread: small products run on one in the engine, and a
                        two-thread team on a 2-core VM beside other work measures OpenMP's
                        spinning, 10-100x off, not the machine)
-          relay        a message passed round a ring of three processes through pipes, a little
-                       Python at each hop: a request crosses the client, the HTTP process and the
-                       engine process and back for every streamed token, and on a VM the cost of
-                       waking an idle process moves with the host's load
+          pipeline     a served token's shape: a byte passed round three processes through pipes,
+                       a millisecond of tiny torch ops at the engine-like hop and a little Python at
+                       the others (engine -> HTTP process -> client). Processes that block and wake
+                       are scheduled unlike a CPU hog: beside a busy neighbour the hog-like parts
+                       above slow by up to twice as much as serving does, this part about as much
     cuda  interpreter  as on the CPU (the host drives every launch)
           launch       1000 launches of a one-element kernel, then a sync: launch latency
           gemm         bf16 [64, 4096] x [4096, 4096] products: small-batch GEMMs
@@ -32,10 +33,9 @@ one-off stall inside the probe is not the machine's pace):
 
 The pace score is the weighted geometric mean over components of REFERENCE_MS / measured ms: 1.0
 on the reference machine (the 2-core CI VM on a quiet hour; an H200 for cuda), 0.5 when everything
-takes twice as long. The weights are each part's share of a served token's time: on the CPU fixture
-pair about half of a streamed token's time is crossing processes (6.7 ms a token on a quiet VM,
-4.4 ms when another process keeps the vCPUs awake, with the same compute), so the relay weighs half
-and the three compute parts share the rest; on CUDA the four parts weigh alike. Only ratios of
+takes twice as long. On the CPU the pipeline weighs 0.7 and the three hog-like parts 0.1 each: they
+track the host's own speed (a slow hour slows every part alike), the pipeline also how the host
+treats the server's processes beside other work; on CUDA the four parts weigh alike. Only ratios of
 scores measured by the same probe (`probe` id) mean anything.
 
     python -m ddtree.bench.pace [--device cpu|cuda] [--json]     # one reading
@@ -57,23 +57,24 @@ from typing import Any
 
 import torch
 
-PROBE_VERSION = 2
+PROBE_VERSION = {"cpu": 3, "cuda": 2}  # bumped when a kind's workload or weights change: old paces stop comparing
 CHUNKS = 5
 # ms per chunk of each component on the reference machines (quiet 2-core CI VM; H200), so a score of 1.0 is
 # that machine at its usual pace
 REFERENCE_MS = {
-    "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "relay": 12.0},
+    "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "pipeline": 17.0},
     "cuda": {"interpreter": 14.0, "launch": 5.0, "gemm": 1.5, "hbm": 2.5},
 }
 WEIGHTS = {
-    "cpu": {"interpreter": 1 / 6, "dispatch": 1 / 6, "gemm": 1 / 6, "relay": 1 / 2},
+    "cpu": {"interpreter": 0.1, "dispatch": 0.1, "gemm": 0.1, "pipeline": 0.7},
     "cuda": {"interpreter": 1 / 4, "launch": 1 / 4, "gemm": 1 / 4, "hbm": 1 / 4},
 }
 
 
 def probe_id(device: str) -> str:
     """What a score is comparable with: the device kind and the probe's version."""
-    return f"{device_kind(device)}-v{PROBE_VERSION}"
+    kind = device_kind(device)
+    return f"{kind}-v{PROBE_VERSION[kind]}"
 
 
 def device_kind(device: str) -> str:
@@ -111,45 +112,68 @@ def spin(n: int) -> int:
     return total
 
 
-class Relay:
-    """Three processes in a ring of pipes: this one and two forked hops that each spin a little and
-    pass the byte on. The hops exit when their input closes, so they never outlive the probe."""
+class Pipeline:
+    """A served token's shape in three processes: a ring of pipes through an engine-like hop (a
+    millisecond of tiny torch ops and a product at the served shapes), an HTTP-like hop and this
+    process (a little Python each), as a streamed token goes engine -> HTTP process -> client.
+    A busy neighbour or a slow host shows here as it shows in serving: in the bursts' own speed and
+    in how soon a process that blocked on a pipe runs again. The hops exit when their input closes,
+    so they never outlive the probe."""
 
-    HOP_WORK = 2000  # loop iterations at each hop (~25 us): the hops' own Python, small beside a wake-up
-    TRIPS = 100
+    PYTHON_WORK = 2000  # loop iterations at the HTTP-like hop and here (~25 us)
+    ENGINE_STEPS = 30  # tiny-op steps at the engine-like hop (~1 ms in all)
+    TRIPS = 20
 
     def __init__(self) -> None:
-        pipes = [os.pipe() for _ in range(3)]  # 0: here -> hop 1, 1: hop 1 -> hop 2, 2: hop 2 -> here
+        pipes = [os.pipe() for _ in range(3)]  # 0: here -> engine, 1: engine -> http, 2: http -> here
         self.pids = []
-        for hop in (1, 2):
+        for hop, work in ((1, self._engine_work), (2, self._python_work)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the forked hop
                 keep = (pipes[hop - 1][0], pipes[hop][1])
                 for fd in {fd for pair in pipes for fd in pair} - set(keep):
                     os.close(fd)
-                self._hop(*keep)
+                self._hop(*keep, work())
             self.pids.append(pid)
         self.send, self.receive = pipes[0][1], pipes[2][0]
         for fd in (pipes[0][0], pipes[1][0], pipes[1][1], pipes[2][1]):
             os.close(fd)
 
     @classmethod
-    def _hop(cls, read_fd: int, write_fd: int) -> None:
+    def _python_work(cls) -> Callable[[], None]:
+        def work() -> None:
+            spin(cls.PYTHON_WORK)
+        return work
+
+    @classmethod
+    def _engine_work(cls) -> Callable[[], None]:
+        x, w = torch.randn(4, 256), torch.randn(256)
+        head = torch.randn(256, 4096)
+
+        def work() -> None:
+            y = x
+            for _ in range(cls.ENGINE_STEPS):
+                y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w).tanh()
+            torch.mm(y, head).argmax(-1)
+        return work
+
+    @staticmethod
+    def _hop(read_fd: int, write_fd: int, work: Callable[[], None]) -> None:
         while True:
             data = os.read(read_fd, 64)
             if not data:
                 os._exit(0)
-            spin(cls.HOP_WORK)
+            work()
             os.write(write_fd, data)
 
     def chunk(self) -> None:
         for _ in range(self.TRIPS):
-            spin(self.HOP_WORK)
+            spin(self.PYTHON_WORK)
             os.write(self.send, b"x")
             os.read(self.receive, 64)
 
     def close(self) -> None:
-        os.close(self.send)  # hop 1 reads EOF and exits, which closes hop 2's input
+        os.close(self.send)  # the engine hop reads EOF and exits, which closes the next hop's input
         os.close(self.receive)
         for pid in self.pids:
             os.waitpid(pid, 0)
@@ -192,12 +216,12 @@ def make_cuda_parts(device: torch.device) -> dict[str, Callable[[], None]]:
     return {"launch": launch, "gemm": gemm, "hbm": hbm}
 
 
-def workloads(device: str, relay: Relay | None) -> dict[str, Callable[[], None]]:
+def workloads(device: str, pipeline: Pipeline | None) -> dict[str, Callable[[], None]]:
     if device_kind(device) == "cuda":
         return {"interpreter": interpreter_chunk, **make_cuda_parts(torch.device(device))}
-    assert relay is not None
+    assert pipeline is not None
     return {"interpreter": interpreter_chunk, "dispatch": make_dispatch(torch.device("cpu")), "gemm": make_cpu_gemm(),
-            "relay": relay.chunk}
+            "pipeline": pipeline.chunk}
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -227,14 +251,14 @@ class Probe:
         self.kind = device_kind(device)
         if self.kind == "cpu":
             torch.set_num_threads(1)  # see the gemm component
-        self.relay = Relay() if self.kind == "cpu" else None
-        self.parts = workloads(device, self.relay)
+        self.pipeline = Pipeline() if self.kind == "cpu" else None
+        self.parts = workloads(device, self.pipeline)
         for chunk in self.parts.values():  # warm-up: allocations, first-call dispatch, kernel loads
             chunk()
 
     def close(self) -> None:
-        if self.relay is not None:
-            self.relay.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def measure(self) -> dict[str, Any]:
         start = time.perf_counter()

@@ -67,8 +67,9 @@ def verdict_lines(record: dict[str, Any] | None) -> list[str]:
         return []
     tol = record.get("tolerances") or {}
     lines = [f"- Floors: {record.get('profile')} ({record.get('path')}), recorded with probe "
-             f"{record.get('floors_probe') or 'none'}; tolerances: pace-normalised tok/s {tol.get('throughput')}, "
-             f"accept length {tol.get('accept')}, speed-up over AR {tol.get('speedup')}."]
+             f"{record.get('floors_probe') or 'none'}; tolerances: a cell's pace-normalised tok/s {tol.get('throughput')}, "
+             f"a config's median {tol.get('config')}, accept length {tol.get('accept')}, a config's speed-up over AR "
+             f"{tol.get('speedup')}."]
     no_floor = record.get("no_floor") or []
     if no_floor:
         verdict = "failed (--require-floors)" if record.get("require_floors") else "passed without a floor check"

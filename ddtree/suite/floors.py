@@ -1,9 +1,10 @@
 """Floors files: per-cell throughput, acceptance and speed-up over AR, the pace they were recorded at.
 
-    probe: cpu-v2                 # the pace probe that measured `pace` (ddtree.bench.pace)
-    tolerance: 0.15               # pace-normalised tok/s may fall this fraction below its floor
-    accept_tolerance: 0.05        # accept_length likewise (deterministic at T = 0: tight)
-    speedup_tolerance: 0.15       # speedup_vs_ar likewise
+    probe: cpu-v3                 # the pace probe that measured `pace` (ddtree.bench.pace)
+    tolerance: 0.4                # one cell's pace-normalised tok/s may fall this fraction below its floor
+    config_tolerance: 0.15        # the median over a config's cells of that ratio
+    accept_tolerance: 0.05        # accept_length (deterministic at T = 0: tight)
+    speedup_tolerance: 0.15       # the median over a config's cells of speedup_vs_ar / its floor
     floors:
       b8-k4-w2048-bs8:
         ctx60-c1: {output_throughput: 80.2, pace: 0.97, accept_length: 1.77, speedup_vs_ar: 0.71}
@@ -28,13 +29,14 @@ from ddtree.errors import ConfigError
 FLOORS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "floors"
 DEFAULT_TOLERANCE = 0.15
 DEFAULT_ACCEPT_TOLERANCE = 0.05  # a 10% drop in acceptance must fail; T = 0 acceptance does not depend on the machine
+DEFAULT_CONFIG_TOLERANCE = 0.15  # a config's median ratio: a uniform 20% slowdown must fail
 FLOOR_METRICS = {  # unit, digits
     "output_throughput": ("tok/s", 1),
     "pace": ("pace", 3),  # the machine's pace when output_throughput was recorded (not judged itself)
     "accept_length": ("accepted tokens/step", 2),
     "speedup_vs_ar": ("x AR", 3),  # pace-normalised tok/s over AR's at the same context and concurrency
 }
-FILE_KEYS = ("probe", "tolerance", "accept_tolerance", "speedup_tolerance", "floors", "recorded")
+FILE_KEYS = ("probe", "tolerance", "config_tolerance", "accept_tolerance", "speedup_tolerance", "floors", "recorded")
 
 Table = dict[str, dict[str, dict[str, float]]]  # config id -> "ctx<C>-c<N>" -> metric -> value
 
@@ -46,7 +48,8 @@ class Floors:
     table: Table = field(default_factory=dict)
     header: str = ""  # the file's leading comment block, kept when recording
     accept_tolerance: float = DEFAULT_ACCEPT_TOLERANCE
-    speedup_tolerance: float | None = None  # None: the throughput tolerance
+    speedup_tolerance: float = DEFAULT_CONFIG_TOLERANCE
+    config_tolerance: float = DEFAULT_CONFIG_TOLERANCE
     probe: str | None = None  # the pace probe id the floors' `pace` values come from
     recorded: dict[str, Any] = field(default_factory=dict)
 
@@ -85,12 +88,11 @@ def load_floors(path_or_profile: str | Path) -> Floors:
     tolerance = data.get("tolerance", DEFAULT_TOLERANCE)
     check_tolerance(tolerance, f"{path}: tolerance")
     accept_tolerance = check_tolerance(data.get("accept_tolerance", DEFAULT_ACCEPT_TOLERANCE), f"{path}: accept_tolerance")
-    speedup_tolerance = data.get("speedup_tolerance")
-    if speedup_tolerance is not None:
-        check_tolerance(speedup_tolerance, f"{path}: speedup_tolerance")
+    speedup_tolerance = check_tolerance(data.get("speedup_tolerance", DEFAULT_CONFIG_TOLERANCE), f"{path}: speedup_tolerance")
+    config_tolerance = check_tolerance(data.get("config_tolerance", DEFAULT_CONFIG_TOLERANCE), f"{path}: config_tolerance")
     probe = data.get("probe")
     if probe is not None and not isinstance(probe, str):
-        raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v2'")
+        raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v3'")
     recorded = data.get("recorded") or {}
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path}: recorded must be a mapping (date, machine, command, pace)")
@@ -112,9 +114,8 @@ def load_floors(path_or_profile: str | Path) -> Floors:
                     raise ConfigError(f"{path}: floors.{config_id}.{key}.{metric}: {value!r} is not a number >= 0")
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     return Floors(path=path, tolerance=float(tolerance), table=table, header=header,
-                  accept_tolerance=accept_tolerance,
-                  speedup_tolerance=None if speedup_tolerance is None else float(speedup_tolerance),
-                  probe=probe, recorded=recorded)
+                  accept_tolerance=accept_tolerance, speedup_tolerance=speedup_tolerance,
+                  config_tolerance=config_tolerance, probe=probe, recorded=recorded)
 
 
 def check_tolerance(value: Any, where: str) -> float:
@@ -138,10 +139,9 @@ def write_floors(floors: Floors, updates: Table, recorded: dict[str, Any] | None
     old entries (their pace values would not compare with the new ones).
     """
     table = floors.table if probe is None or floors.probe in (None, probe) else {}
-    data: dict[str, Any] = {"tolerance": floors.tolerance, "accept_tolerance": floors.accept_tolerance,
+    data: dict[str, Any] = {"tolerance": floors.tolerance, "config_tolerance": floors.config_tolerance,
+                            "accept_tolerance": floors.accept_tolerance, "speedup_tolerance": floors.speedup_tolerance,
                             "floors": merge(table, updates)}
-    if floors.speedup_tolerance is not None:
-        data["speedup_tolerance"] = floors.speedup_tolerance
     if probe or floors.probe:
         data["probe"] = probe or floors.probe
     if recorded or floors.recorded:

@@ -39,7 +39,8 @@ HELP = {
     "device": "device of the local/sglang service: cpu or cuda[:N] (default: cuda if available, else cpu)",
     "results_dir": "where cell files and summaries go (default: results/<timestamp> under the rootdir)",
     "floors": "floors profile in fixtures/floors (default cpu-fixture) or a path to a floors YAML",
-    "floor_tolerance": "fraction below a floor that still passes, in [0, 1) (default: the floors file's, else 0.15)",
+    "floor_tolerance": "fraction one cell's pace-normalised tok/s may fall below its floor, in [0, 1) (default: the "
+                       "floors file's `tolerance`, else 0.15; a config's median has its own, config_tolerance)",
     "update_floors": "record this run's medians (tok/s with the pace they were measured at, acceptance, speed-up over "
                      "AR) as the floors of the profile (written at session end)",
     "require_floors": "fail every cell that has no floor in the floors file (the summary lists them either way)",

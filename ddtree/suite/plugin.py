@@ -156,7 +156,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def _tolerances_text(options: Any) -> str:
     t = Tolerances.of(options.floors, options.tolerance)
-    return f"tolerance: pace-normalised tok/s {t.throughput:g}, accept length {t.accept:g}, speed-up over AR {t.speedup:g}"
+    return (f"tolerance: a cell's pace-normalised tok/s {t.throughput:g}, a config's median {t.config:g}, accept length "
+            f"{t.accept:g}, a config's speed-up over AR {t.speedup:g}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -196,6 +197,18 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     sort_items(items, suite_state(config).expansion)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """How many sweep cells of each config run (after -k, -m and --deselect): a config's verdict over
+    its cells comes with the last of them."""
+    if not suite_active(session.config):
+        return
+    counts = suite_state(session.config).selected_cells
+    for item in session.items:
+        cell = getattr(item, "callspec", None) and item.callspec.params.get(CELL_ARG)  # type: ignore[attr-defined]
+        if cell is not None:
+            counts[cell.config_id] = counts.get(cell.config_id, 0) + 1
 
 
 # -- a service that dies under a cell --------------------------------------------------------------

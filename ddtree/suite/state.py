@@ -24,6 +24,10 @@ class SuiteState:
     no_floor: list[str] = field(default_factory=list)  # cell ids measured without a floor
     floor_probe: str | None = None  # the pace probe of the recorded floors (--update-floors)
     verdict_notes: dict[str, list[str]] = field(default_factory=dict)  # how cells were judged -> cell ids
+    # config id -> (cell id, measured, floor) of its cells judged by this process, for the config's verdict
+    config_cells: dict[str, list[tuple[str, dict[str, Any], dict[str, float]]]] = field(default_factory=dict)
+    selected_cells: dict[str, int] = field(default_factory=dict)  # config id -> its sweep cells selected to run
+    cells_seen: dict[str, int] = field(default_factory=dict)  # config id -> its cells judged so far
     resumed: list[str] = field(default_factory=list)
     opt_in_deselected: int = 0  # perf/quality items a bare run left out
     measured: int = 0  # cells measured by this process (progress lines)

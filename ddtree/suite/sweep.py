@@ -3,8 +3,9 @@
 Per cell: warm-up requests (not counted), then `repeats` rounds of `requests_per_cell` prompts of
 exactly `context` tokens at the cell's concurrency (ignore_eos, fixed max_new_tokens), with a pace
 reading before the first repeat and after each. The cell file is written atomically before any
-verdict, so an interrupted or failing sweep keeps it. The verdict (ddtree.suite.verdict) compares
-pace-normalised tok/s, acceptance and the speed-up over AR with the cell's floor.
+verdict, so an interrupted or failing sweep keeps it. The verdicts (ddtree.suite.verdict) compare
+pace-normalised tok/s and acceptance with the cell's floor, then, after a config's last cell, the
+medians over its cells of tok/s and speed-up over AR with theirs.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ddtree.service.manager import ServiceManager
 from ddtree.suite.fixtures import cell_progress
 from ddtree.suite.options import SuiteOptions
 from ddtree.suite.pace import PaceLog, cell_pace
-from ddtree.suite.state import suite_state
-from ddtree.suite.verdict import AR_CONFIG_ID, Tolerances, floor_entry, judge_cell, speedup_over_ar
+from ddtree.suite.state import SuiteState, suite_state
+from ddtree.suite.verdict import AR_CONFIG_ID, Tolerances, floor_entry, judge_cell, judge_config, speedup_over_ar
 
 
 def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
@@ -85,26 +86,41 @@ def ar_metrics(suite: SuiteOptions, cell: Cell) -> dict[str, Any] | None:
 
 
 def judge(config: pytest.Config, suite: SuiteOptions, cell: Cell, result: CellResult) -> None:
-    """Record floors (--update-floors), then fail the cell when it is below its floor, or has none
-    under --require-floors."""
+    """Record floors (--update-floors), then fail the cell when it is below its floor, has none under
+    --require-floors, or is its config's last cell in this run and the config's medians fall short."""
     metrics = result.metrics
     pace = result.pace or {}
     cell_progress(config, cell, metrics, pace.get("score"))
     measured = {**metrics, "pace": pace.get("score"), "probe": pace.get("probe")}
     state = suite_state(config)
+    state.cells_seen[cell.config_id] = state.cells_seen.get(cell.config_id, 0) + 1
     if suite.update_floors:
         state.floor_updates.setdefault(cell.config_id, {})[cell.key] = floor_entry(measured)
         if pace.get("probe"):
             state.floor_probe = str(pace["probe"])
+    tolerances = Tolerances.of(suite.floors, suite.tolerance)
+    failures = []
     floor = suite.floors.floor_for(cell.config_id, cell.key)
     if floor is None:
         state.no_floor.append(cell.id)
         if suite.require_floors and not suite.update_floors:
-            pytest.fail(f"{cell.id}: no floor in {suite.floors.profile} ({suite.floors.path}) and --require-floors "
-                        f"is set; record one with --update-floors", pytrace=False)
-        return
-    where = f"{cell.config_id} @ ctx{cell.context} c{cell.concurrency}"
-    verdict = judge_cell(measured, floor, Tolerances.of(suite.floors, suite.tolerance), suite.floors.probe, where)
-    for note in verdict.notes:
-        state.verdict_notes.setdefault(note, []).append(cell.id)
-    assert verdict.ok, "; ".join(verdict.failures)
+            failures.append(f"{cell.id}: no floor in {suite.floors.profile} ({suite.floors.path}) and --require-floors "
+                            f"is set; record one with --update-floors")
+    else:
+        where = f"{cell.config_id} @ ctx{cell.context} c{cell.concurrency}"
+        state.config_cells.setdefault(cell.config_id, []).append((cell.id, measured, floor))
+        verdict = judge_cell(measured, floor, tolerances, suite.floors.probe, where)
+        _note(state, verdict.notes, cell.id)
+        failures += verdict.failures
+    if state.cells_seen[cell.config_id] == state.selected_cells.get(cell.config_id):  # the config's last cell
+        judged = state.config_cells.get(cell.config_id, [])
+        if judged:
+            verdict = judge_config(judged, tolerances, suite.floors.probe, cell.config_id)
+            _note(state, verdict.notes, cell.config_id)
+            failures += verdict.failures
+    assert not failures, "; ".join(failures)
+
+
+def _note(state: SuiteState, notes: list[str], name: str) -> None:
+    for note in notes:
+        state.verdict_notes.setdefault(note, []).append(name)

@@ -1,42 +1,50 @@
-"""A cell's verdict against its floor: pace-normalised throughput, acceptance, speed-up over AR.
+"""Verdicts against the floors: each cell's, and each config's over its cells.
 
+Per cell (test_sweep):
     throughput   measured tok/s / the pace around the cell  >=  floor tok/s / the floor's pace x (1 - tolerance)
     acceptance   accept_length  >=  floor x (1 - accept_tolerance)
-    speed-up     (tok/s / pace) / (AR's tok/s / AR's pace), AR at the same context and concurrency in
-                 this run  >=  floor x (1 - speedup_tolerance)
+Per config, over its cells with floors (test_config_floors, after the config's last cell):
+    throughput   median over the cells of (tok/s / pace) / (floor tok/s / floor pace)  >=  1 - config_tolerance
+    speed-up     median over the cells of speedup_vs_ar / its floor  >=  1 - speedup_tolerance, where
+                 speedup_vs_ar = (tok/s / pace) / (AR's tok/s / AR's pace), AR at the same context and
+                 load in this run
 
 The pace is the pace probe's score (ddtree.bench.pace) measured around each repeat; a cell's
 pace-normalised tok/s is the median over its repeats of tok/s / that repeat's pace, so a machine
-that is 40% slower this hour moves the expected throughput with it. A floor without a pace (or a
-pace from another probe) is judged in absolute tok/s, and the verdict says so. Acceptance at
-temperature 0 does not depend on the machine, so its tolerance is tight. The speed-up is what a
-DDTree user tunes for: both sides come from the same run and machine.
+that is 40% slower this hour moves the expected throughput with it. What the pace leaves over is
+each cell's own noise (a short cell on a shared VM moves by a third either way), so a cell's tok/s
+tolerance is wide and catches a cell that broke; a change that slows a whole config moves the median
+of its cells, whose noise is a fraction of one cell's, and the config tolerance is tight. A floor
+without a pace (or a pace from another probe) is judged in absolute tok/s, and the verdict says so.
+Acceptance at temperature 0 does not depend on the machine, so its tolerance is tight. The speed-up
+is what a DDTree user tunes for: both sides come from the same run and machine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddtree.suite.floors import FLOOR_METRICS, Floors
 
 AR_CONFIG_ID = "ar"
+MIN_CONFIG_CELLS = 2  # a config's median needs more than one cell to be more than that cell's verdict
 
 
 @dataclass(frozen=True)
 class Tolerances:
-    throughput: float
+    throughput: float  # one cell's pace-normalised tok/s
     accept: float
-    speedup: float
+    speedup: float  # the config's median speed-up over AR
+    config: float  # the config's median pace-normalised tok/s
 
     @classmethod
     def of(cls, floors: Floors, throughput: float | None = None) -> Tolerances:
-        """The floors file's tolerances; `throughput` (--floor-tolerance) overrides tok/s and speed-up
-        where the file sets no speed-up tolerance of its own."""
+        """The floors file's tolerances; `throughput` (--floor-tolerance) overrides the cell's."""
         tps = floors.tolerance if throughput is None else throughput
-        speedup = floors.speedup_tolerance if floors.speedup_tolerance is not None else tps
-        return cls(tps, floors.accept_tolerance, speedup)
+        return cls(tps, floors.accept_tolerance, floors.speedup_tolerance, floors.config_tolerance)
 
 
 @dataclass
@@ -61,17 +69,13 @@ def judge_cell(measured: Mapping[str, Any], floor: Mapping[str, float], toleranc
     verdict = Verdict()
     if "output_throughput" in floor:
         _judge_throughput(measured, floor, tolerances.throughput, floors_probe, where, verdict)
-    for metric, tolerance in (("accept_length", tolerances.accept), ("speedup_vs_ar", tolerances.speedup)):
-        if metric not in floor:
-            continue
-        value, floor_value = measured.get(metric), float(floor[metric])
-        if value is None and metric == "speedup_vs_ar":  # AR not in this run (-k, --resume order, another worker)
-            verdict.notes.append("speed-up over AR not judged: no AR cell at its context and concurrency before it")
-        elif value is None:
-            verdict.failures.append(f"{metric} was not measured, floor {_fmt(metric, floor_value)}, {where}")
-        elif value < floor_value * (1.0 - tolerance):
-            verdict.failures.append(f"{metric} {_fmt(metric, value)} < floor {_fmt(metric, floor_value)} "
-                                    f"x (1-{tolerance:g}), {where}")
+    if "accept_length" in floor:
+        value, floor_value = measured.get("accept_length"), float(floor["accept_length"])
+        if value is None:
+            verdict.failures.append(f"accept_length was not measured, floor {_fmt('accept_length', floor_value)}, {where}")
+        elif value < floor_value * (1.0 - tolerances.accept):
+            verdict.failures.append(f"accept_length {_fmt('accept_length', value)} < floor "
+                                    f"{_fmt('accept_length', floor_value)} x (1-{tolerances.accept:g}), {where}")
     return verdict
 
 
@@ -106,6 +110,40 @@ def ar_reference(cells_by_key: Mapping[tuple[str, int, int], Mapping[str, Any]],
                  concurrency: int) -> Mapping[str, Any] | None:
     """AR's metrics at (context, concurrency) from this run's cells, or None when AR was not measured there."""
     return cells_by_key.get((AR_CONFIG_ID, context, concurrency))
+
+
+def throughput_ratio(measured: Mapping[str, Any], floor: Mapping[str, float], floors_probe: str | None) -> float | None:
+    """The cell's tok/s against its floor's: pace-normalised where both sides have one probe's pace."""
+    tps, floor_tps = measured.get("output_throughput"), floor.get("output_throughput")
+    if not tps or not floor_tps:
+        return None
+    normalised, probe, floor_pace = measured.get("pace_normalized_throughput"), measured.get("probe"), floor.get("pace")
+    if normalised and floor_pace and not (floors_probe and probe and floors_probe != probe):
+        return float(normalised) / (float(floor_tps) / float(floor_pace))
+    return float(tps) / float(floor_tps)
+
+
+def judge_config(cells: Sequence[tuple[str, Mapping[str, Any], Mapping[str, float]]], tolerances: Tolerances,
+                 floors_probe: str | None, config_id: str) -> Verdict:
+    """`cells`: (cell id, measured, floor) for each of the config's cells that has a floor. The medians of
+    the cells' tok/s ratios and speed-up ratios against their floors, each against its tolerance."""
+    verdict = Verdict()
+    tps = {cid: r for cid, m, f in cells if (r := throughput_ratio(m, f, floors_probe)) is not None}
+    speedups = {cid: float(m["speedup_vs_ar"]) / float(f["speedup_vs_ar"]) for cid, m, f in cells
+                if m.get("speedup_vs_ar") and f.get("speedup_vs_ar")}
+    for what, ratios, tolerance in (("pace-normalised tok/s", tps, tolerances.config),
+                                    ("speed-up over AR", speedups, tolerances.speedup)):
+        if len(ratios) < MIN_CONFIG_CELLS:
+            if ratios or what == "pace-normalised tok/s":
+                verdict.notes.append(f"{what} of {config_id} not judged over its cells: {len(ratios)} cell(s) with "
+                                     f"a floor in this run, {MIN_CONFIG_CELLS} needed")
+            continue
+        median = statistics.median(ratios.values())
+        if median < 1.0 - tolerance:
+            each = ", ".join(f"{cid} {r:.2f}" for cid, r in sorted(ratios.items()))
+            verdict.failures.append(f"{config_id}: median {what} / floor {median:.2f} over {len(ratios)} cells < "
+                                    f"1 - {tolerance:g} ({each})")
+    return verdict
 
 
 def speedup_over_ar(metrics: Mapping[str, Any], ar_metrics: Mapping[str, Any] | None) -> float | None:

@@ -2,8 +2,9 @@
 
     pytest -m perf --config-grid smoke        # ids like b8-k4-w2048-bs8-ctx60-c1
 
-How a cell is measured and judged is ddtree.suite.sweep's (pace-normalised throughput, acceptance,
-speed-up over AR; docs/results.md, "How a verdict is computed").
+How a cell is measured and judged is ddtree.suite.sweep's (pace-normalised throughput, acceptance;
+docs/results.md, "How a verdict is computed"); a config's last cell also carries its config's verdict,
+the medians over its cells of tok/s and speed-up over AR.
 """
 
 from __future__ import annotations
@@ -32,3 +33,4 @@ def test_sweep(
 ) -> None:
     result = measure_cell(cell, deployed, suite, prompt_maker, pace)
     judge(request.config, suite, cell, result)
+

@@ -14,7 +14,7 @@ import pytest
 from ddtree.bench import pace
 from ddtree.suite.pace import PaceLog, PaceProbe, PaceUnavailable, cell_pace, local_argv, standalone_argv
 
-CPU_COMPONENTS = {"interpreter", "dispatch", "gemm", "relay"}
+CPU_COMPONENTS = {"interpreter", "dispatch", "gemm", "pipeline"}
 
 
 def test_the_probe_uses_torch_and_the_standard_library_only() -> None:
@@ -32,20 +32,22 @@ def test_the_probe_uses_torch_and_the_standard_library_only() -> None:
 def test_the_score_is_the_weighted_geometric_mean_of_reference_over_measured(factor: float, expected: float) -> None:
     components = {name: ms * factor for name, ms in pace.REFERENCE_MS["cpu"].items()}
     assert pace.score_of("cpu", components) == pytest.approx(expected)
-    slow_relay = dict(pace.REFERENCE_MS["cpu"], relay=pace.REFERENCE_MS["cpu"]["relay"] * 4)
-    assert pace.score_of("cpu", slow_relay) == pytest.approx(0.5)  # the relay weighs half: 4^(1/2) = 2
+    slow_pipeline = dict(pace.REFERENCE_MS["cpu"], pipeline=pace.REFERENCE_MS["cpu"]["pipeline"] * 4)
+    assert pace.score_of("cpu", slow_pipeline) == pytest.approx(4 ** -0.7)  # the pipeline weighs 0.7
+    slow_python = dict(pace.REFERENCE_MS["cpu"], interpreter=pace.REFERENCE_MS["cpu"]["interpreter"] * 4)
+    assert pace.score_of("cpu", slow_python) == pytest.approx(4 ** -0.1)  # a hog-like part 0.1
     slow_gemm = dict(pace.REFERENCE_MS["cuda"], gemm=pace.REFERENCE_MS["cuda"]["gemm"] * 16)
     assert pace.score_of("cuda", slow_gemm) == pytest.approx(0.5)  # a quarter on CUDA: 16^(1/4) = 2
 
 
-def test_a_reading_times_every_component_and_the_relay_hops_die_with_the_probe() -> None:
+def test_a_reading_times_every_component_and_the_pipeline_hops_die_with_the_probe() -> None:
     probe = pace.Probe("cpu")
     try:
         reading = probe.measure()
-        pids = list(probe.relay.pids)  # type: ignore[union-attr]
+        pids = list(probe.pipeline.pids)  # type: ignore[union-attr]
     finally:
         probe.close()
-    assert reading["probe"] == "cpu-v2" and set(reading["components_ms"]) == CPU_COMPONENTS
+    assert reading["probe"] == "cpu-v3" and set(reading["components_ms"]) == CPU_COMPONENTS
     assert all(ms > 0 for ms in reading["components_ms"].values()) and reading["score"] > 0
     assert reading["seconds"] < 10
     for pid in pids:  # reaped by close(): no such process any more

@@ -11,10 +11,10 @@ from ddtree.bench.baseline import compare_runs
 from ddtree.bench.normalise import NORMALISED_KEY, add_pace
 from ddtree.errors import ConfigError
 from ddtree.suite.floors import Floors, load_floors, write_floors
-from ddtree.suite.verdict import Tolerances, floor_entry, judge_cell, speedup_over_ar
+from ddtree.suite.verdict import Tolerances, floor_entry, judge_cell, judge_config, speedup_over_ar
 from tests.unit.test_bench_baseline import make_cell, write_run
 
-TOL = Tolerances(throughput=0.15, accept=0.05, speedup=0.15)
+TOL = Tolerances(throughput=0.15, accept=0.05, speedup=0.15, config=0.15)
 FLOOR = {"output_throughput": 100.0, "pace": 1.0, "accept_length": 2.0, "speedup_vs_ar": 1.2}
 WHERE = "b8-k4-w2048-bs8 @ ctx60 c1"
 
@@ -49,14 +49,40 @@ def test_a_ten_percent_drop_in_acceptance_fails_and_three_percent_passes() -> No
     assert failures == [f"accept_length 1.80 accepted tokens/step < floor 2.00 accepted tokens/step x (1-0.05), {WHERE}"]
 
 
-def test_a_speedup_over_ar_below_its_floor_fails() -> None:
-    failures = judge_cell(measured(100.0, 1.0, speedup=0.9), FLOOR, TOL, "cpu-v1", WHERE).failures
-    assert failures == [f"speedup_vs_ar 0.900 x AR < floor 1.200 x AR x (1-0.15), {WHERE}"]
-    without_ar = judge_cell({**measured(100.0, 1.0), "speedup_vs_ar": None}, FLOOR, TOL, "cpu-v1", WHERE)
-    assert without_ar.ok and without_ar.notes == [
-        "speed-up over AR not judged: no AR cell at its context and concurrency before it"]
+def test_a_cell_is_judged_on_tok_s_and_acceptance_and_its_config_on_the_medians() -> None:
+    slow_speedup = measured(100.0, 1.0, speedup=0.9)
+    assert judge_cell(slow_speedup, FLOOR, TOL, "cpu-v1", WHERE).ok  # one cell's speed-up is its config's to judge
     no_accept = judge_cell({**measured(100.0, 1.0), "accept_length": None}, FLOOR, TOL, "cpu-v1", WHERE).failures
     assert no_accept == [f"accept_length was not measured, floor 2.00 accepted tokens/step, {WHERE}"]
+
+
+def cells(*ratios: tuple[float, float]) -> list[tuple[str, dict, dict]]:
+    """Cells whose pace-normalised tok/s and speed-up are the given fractions of their floors'."""
+    return [(f"cell{i}", measured(100.0 * tps, 1.0, speedup=1.2 * speedup), FLOOR) for i, (tps, speedup) in enumerate(ratios)]
+
+
+def test_a_config_whose_cells_all_slowed_a_little_fails_on_the_median() -> None:
+    """Each cell inside a wide cell tolerance, the config's median 20% down: the median says it."""
+    verdict = judge_config(cells((0.82, 1.0), (0.78, 1.0), (0.85, 1.0), (0.75, 1.0)), TOL, "cpu-v1", "ar")
+    assert verdict.failures == ["ar: median pace-normalised tok/s / floor 0.80 over 4 cells < 1 - 0.15 "
+                                "(cell0 0.82, cell1 0.78, cell2 0.85, cell3 0.75)"]
+
+
+def test_one_noisy_cell_does_not_fail_its_config() -> None:
+    assert judge_config(cells((0.55, 1.0), (1.05, 1.0), (0.98, 1.0), (1.2, 1.0)), TOL, "cpu-v1", "b8").ok
+
+
+def test_a_config_whose_speedup_over_ar_fell_fails() -> None:
+    verdict = judge_config(cells((1.0, 0.8), (1.0, 0.75), (1.0, 0.9)), TOL, "cpu-v1", "b8-k4-w2048-bs8")
+    assert verdict.failures == ["b8-k4-w2048-bs8: median speed-up over AR / floor 0.80 over 3 cells < 1 - 0.15 "
+                                "(cell0 0.80, cell1 0.75, cell2 0.90)"]
+
+
+def test_a_config_with_one_judged_cell_says_it_was_not_judged() -> None:
+    verdict = judge_config(cells((0.5, 0.5)), TOL, "cpu-v1", "ar")
+    assert verdict.ok and verdict.notes == [
+        "pace-normalised tok/s of ar not judged over its cells: 1 cell(s) with a floor in this run, 2 needed",
+        "speed-up over AR of ar not judged over its cells: 1 cell(s) with a floor in this run, 2 needed"]
 
 
 @pytest.mark.parametrize(("floor", "run", "floors_probe", "why"), [
@@ -89,17 +115,18 @@ def test_a_recorded_floor_holds_every_measured_floor_metric() -> None:
 
 def test_tolerances_come_from_the_file_and_the_command_line(tmp_path: Path) -> None:
     path = tmp_path / "f.yaml"
-    path.write_text(yaml.safe_dump({"probe": "cpu-v1", "tolerance": 0.2, "accept_tolerance": 0.03, "floors": {}}))
+    path.write_text(yaml.safe_dump({"probe": "cpu-v1", "tolerance": 0.4, "accept_tolerance": 0.03, "floors": {}}))
     floors = load_floors(path)
-    assert Tolerances.of(floors) == Tolerances(0.2, 0.03, 0.2)  # speed-up follows tok/s unless the file sets it
-    assert Tolerances.of(floors, throughput=0.1) == Tolerances(0.1, 0.03, 0.1)
-    path.write_text(yaml.safe_dump({"tolerance": 0.2, "speedup_tolerance": 0.12, "floors": {}}))
-    assert Tolerances.of(load_floors(path), throughput=0.1) == Tolerances(0.1, 0.05, 0.12)
+    assert Tolerances.of(floors) == Tolerances(0.4, 0.03, 0.15, 0.15)  # the medians' tolerances default to 0.15
+    assert Tolerances.of(floors, throughput=0.3) == Tolerances(0.3, 0.03, 0.15, 0.15)
+    path.write_text(yaml.safe_dump({"tolerance": 0.4, "speedup_tolerance": 0.12, "config_tolerance": 0.1, "floors": {}}))
+    assert Tolerances.of(load_floors(path)) == Tolerances(0.4, 0.05, 0.12, 0.1)
 
 
 @pytest.mark.parametrize(("data", "message"), [
     pytest.param({"accept_tolerance": 1.5}, "accept_tolerance: 1.5 is not a fraction in [0, 1)", id="accept-tolerance"),
     pytest.param({"speedup_tolerance": -0.1}, "speedup_tolerance: -0.1 is not a fraction in [0, 1)", id="speedup"),
+    pytest.param({"config_tolerance": 1}, "config_tolerance: 1 is not a fraction in [0, 1)", id="config"),
     pytest.param({"probe": 3}, "probe: 3 is not a probe id", id="probe"),
     pytest.param({"floors": {"ar": {"ctx60-c1": {"pase": 1.0}}}}, "unknown metric 'pase'", id="metric"),
     pytest.param({"tolerence": 0.1}, "unknown key(s) ['tolerence']", id="key"),
