@@ -3,6 +3,7 @@ from the installed `ddtree` pytest plugin, ddtree/suite/plugin.py, which pyproje
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 
@@ -48,3 +49,14 @@ def _one_torch_thread(request: pytest.FixtureRequest) -> Iterator[None]:
         if torch.get_num_threads() != wanted:
             torch.set_num_threads(wanted)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_the_heap() -> Iterator[None]:
+    """Code under test may gc.freeze() this process (the server and the in-process bench do: no full collection
+    walks their start-up heap). Frozen objects are never collected: later tests would run on a heap the test
+    left, and at exit Triton's bindings report the compile garbage frozen with it as leaked ("nanobind: leaked
+    ... functions"). What a test froze goes back to the collector when it ends."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
