@@ -73,13 +73,14 @@ def test_a_second_smoke_sweep_is_judged_against_the_first(suite_dir: pytest.Pyte
     doctor(runs / "1-first", 1000.0)
     third = sweep(suite_dir, "runs/3-third", "--baseline", str(runs / "1-first"))
     assert third.ret == pytest.ExitCode.TESTS_FAILED  # every cell's test passed; the run fails on the verdict
+    # ratios 0.0?: a thousandfold baseline over a fake whose tok/s swing up to 8x between runs on a busy machine
     third.stdout.fnmatch_lines([
         f"*{SECTION}*",
-        "REGRESSED all cells: regressed: median tok/s ratio 0.00 over 16 cells (band *), tolerance 90%; "
-        "cells below 0.10: ar @ ctx60 c1 0.00, *",
-        "REGRESSED ar: regressed: median tok/s ratio 0.00 over 4 cells *",
+        "REGRESSED all cells: regressed: median tok/s ratio 0.0? over 16 cells (band *), tolerance 90%; "
+        "cells below 0.10: ar @ ctx60 c1 0.0?, *",
+        "REGRESSED ar: regressed: median tok/s ratio 0.0? over 4 cells *",
         # each cell: measured, baseline, ratio, tolerance and both spreads
-        "REGRESSED b8-k4-w2048-bs8 @ ctx60 c1: regressed: output tok/s * vs baseline *: ratio 0.00, tolerance 90%, "
+        "REGRESSED b8-k4-w2048-bs8 @ ctx60 c1: regressed: output tok/s * vs baseline *: ratio 0.0?, tolerance 90%, "
         "spreads do not overlap (now: repeats *; baseline: repeats *)",
         "verdict: REGRESSION: the run fails (16 cells compared, pair noise sigma *)",
         f"*{SMOKE_CELLS} passed*",

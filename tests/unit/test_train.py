@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +63,6 @@ def tiny_opts(**kw: object) -> TrainOptions:
                                "log_every": 10, "eval_batches": 2, "seed": 0}
     base.update(kw)
     return TrainOptions(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """These models are tiny: one thread is fastest, and on a loaded 2-core CI box extra threads spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
