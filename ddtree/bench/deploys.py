@@ -72,6 +72,6 @@ def deploy_table(entries: Sequence[Mapping[str, Any]]) -> list[str]:
                      f"{_s(e.get('verified_s'))} | {outcome} |")
     spent = sum(float(e.get("spent_s") or 0.0) for e in entries)
     restarts = sum(1 for e in entries if e.get("restarted"))
-    lines += ["", f"Total: {len(entries)} deploys ({restarts} restarts), {spent:.1f} s spent deploying "
-              f"({spent / 60:.1f} min).", ""]
+    minutes = f" ({spent / 60:.1f} min)" if spent >= 60 else ""
+    lines += ["", f"Total: {len(entries)} deploys ({restarts} restarts), {spent:.1f} s spent deploying{minutes}.", ""]
     return lines
