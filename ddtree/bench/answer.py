@@ -17,6 +17,9 @@ from ddtree.bench.results import CellResult
 from ddtree.bench.slo import spec_of
 
 
+MAX_LISTED = 12  # cells named in the summary's "not eligible" line; the rest are counted
+
+
 @dataclass(frozen=True)
 class Choice:
     """The answer for one context: `cell` (None when no cell qualifies) and the closest cell otherwise."""
@@ -93,9 +96,10 @@ def slo_answer(cells: Sequence[CellResult], default_id: str) -> list[str]:
     lines.append("")
     below = [c for c in under if not qualifies(c)]
     if below:
-        lines.append(f"Not eligible ({len(below)} of {len(under)} cells): " + "; ".join(
-            f"{c.config_id}-ctx{c.context}-{c.load} {_pct(c.metrics.get('slo_attainment'))} ({_why(c)})" for c in below)
-                     + ".")
+        listed = "; ".join(f"{c.config_id}-ctx{c.context}-{c.load} {_pct(c.metrics.get('slo_attainment'))} ({_why(c)})"
+                           for c in below[:MAX_LISTED])
+        more = f"; and {len(below) - MAX_LISTED} more (summary.csv: slo_attained)" if len(below) > MAX_LISTED else ""
+        lines.append(f"Not eligible ({len(below)} of {len(under)} cells): {listed}{more}.")
     unjudged: dict[str, int] = {}
     for c in under:
         for key in c.metrics.get("slo_unjudged") or {}:

@@ -88,7 +88,7 @@ def pareto_lines(cells: Sequence[CellResult], recommended: dict[int, tuple[str, 
         if near is None:
             lines.append(f"  The recommended {what} has no point here.")
         elif near[2] == 0.0:
-            lines.append(f"  The recommended {what} is on the frontier ({near[0].label}).")
+            lines.append(f"  The recommended {what} is on the frontier{'' if load else f' (at {near[0].load})'}.")
         else:
             lines.append(f"  The recommended {what} sits nearest {near[1].label} on the frontier "
                          f"({near[2]:.2f} of the axes' range away, from {near[0].label}).")

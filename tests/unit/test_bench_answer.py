@@ -50,7 +50,10 @@ def test_the_summary_leads_with_the_slo_answer() -> None:
     assert f"| 60 | **{DEFAULT}** (default) | c1 | 3.00 | 100.0% |" in text
     assert "| 512 | none meets the target |" in text and "closest: ar c1, attainment 50.0%" in text
     assert "Not eligible (1 of 3 cells): ar-ctx512-c1 50.0% (missed: tpot_p90_ms 1)" in text
-    assert "The recommended b8-k4-w2048-bs8 c1 is on the frontier" in text
+    assert "The recommended b8-k4-w2048-bs8 c1 is on the frontier." in text
+    many = [cell("ar", n, 1.0, 0.5) for n in range(1, 16)]
+    assert "Not eligible (15 of 15 cells): ar-ctx60-c1 50.0%" in (long := render_summary(many, DEFAULT, None))
+    assert "; and 3 more (summary.csv: slo_attained)." in long and "ar-ctx60-c13" not in long
     plain = [cell("ar", 1, 2.0, 1.0, slo_attainment=None)]
     assert "## SLO answer" not in render_summary(plain, DEFAULT, None)
 
