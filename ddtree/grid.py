@@ -16,7 +16,9 @@ cells (config x context x load). It knows nothing about pytest or about services
               accept_floor: 1.5, mode: completion}   # mode chat: /v1/chat/completions, for chat models
 
 A load is a concurrency level (closed loop) or a request rate (open loop); a grid may have either axis
-or both (concurrency defaults to [1] only when there are no request_rates). Config entries take SpecConfig's keys (algorithm, budget, topk, block_size, draft_window); keys
+or both (concurrency defaults to [1] only when there are no request_rates).
+
+Config entries take SpecConfig's keys (algorithm, budget, topk, block_size, draft_window); keys
 a config entry leaves out come from `default`, so `{budget: 4}` is the default with budget 4.
 Errors name the file and the key, and are raised while parsing (before any restart).
 """

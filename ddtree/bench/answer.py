@@ -16,7 +16,6 @@ from typing import Any
 from ddtree.bench.results import CellResult
 from ddtree.bench.slo import spec_of
 
-
 MAX_LISTED = 12  # cells named in the summary's "not eligible" line; the rest are counted
 
 

@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ddtree.bench.pareto import frontier, points
+from ddtree.bench import pareto
 from ddtree.bench.results import CellResult, read_cells
 
 PLOTS_DIR = "plots"
@@ -113,7 +113,7 @@ def plot_latency(cells: Sequence[CellResult], context: int, path: Path) -> Path:
 def plot_pareto(cells: Sequence[CellResult], context: int, path: Path) -> Path:
     fig = Figure(figsize=(7, 5), layout="constrained")
     ax = fig.subplots()
-    pts = points(cells)
+    pts = pareto.points(cells)
     by_config: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for p in pts:
         by_config[p.config_id].append((p.aggregate, p.per_user, p.load))
@@ -121,7 +121,7 @@ def plot_pareto(cells: Sequence[CellResult], context: int, path: Path) -> Path:
         ax.plot([g[0] for g in group], [g[1] for g in group], marker="o", linestyle="none", label=config_id)
         for x, y, load in group:
             ax.annotate(load, (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
-    front = frontier(pts)
+    front = pareto.frontier(pts)
     ax.plot([p.aggregate for p in front], [p.per_user for p in front], linestyle="--", color="black", linewidth=1,
             marker="o", markersize=11, markerfacecolor="none", label="Pareto frontier")
     ax.set_xlabel("aggregate output tok/s")
@@ -141,6 +141,6 @@ def write_plots(results_dir: str | Path, cells: Sequence[CellResult] | None = No
         at = [c for c in cells if c.context == context]
         written.append(plot_budget(at, context, out / f"budget_ctx{context}.png"))
         written.append(plot_latency(at, context, out / f"latency_ctx{context}.png"))
-        if points(at):
+        if pareto.points(at):
             written.append(plot_pareto(at, context, out / f"pareto_ctx{context}.png"))
     return written
