@@ -3,9 +3,10 @@
 Per cell: warm-up requests (not counted), then `repeats` rounds of `requests_per_cell` prompts of
 exactly `context` tokens at the cell's concurrency, or at Poisson arrival times for a rate cell
 (ignore_eos, fixed max_new_tokens; ddtree.bench.cell_load), with a pace reading before the first
-repeat and after each. Each repeat is judged against the grid's SLOs (reported, never failed). The cell file is written atomically before any
-verdict, so an interrupted or failing sweep keeps it. The verdict (ddtree.suite.verdict) compares
-pace-normalised tok/s, acceptance and the speed-up over AR with the cell's floor.
+repeat and after each. Each repeat is judged against the grid's SLOs (reported, never failed). The
+cell file is written atomically before any verdict, so an interrupted or failing sweep keeps it. The
+verdict (ddtree.suite.verdict) compares pace-normalised tok/s, acceptance and the speed-up over AR with
+the cell's floor.
 """
 
 from __future__ import annotations
