@@ -1,8 +1,9 @@
 """The sweep's answer under SLOs: per context, the config and load with the most goodput where attainment holds.
 
 Reads cell results only. A cell can be the answer when its attainment (ddtree.bench.slo) reaches the
-SLOs' attainment target, none of its requests failed, and, for a rate cell, the service kept up with
-the arrivals (a queue that grows through the run is no load to deploy at). Among those the highest
+SLOs' attainment target, none of its requests failed, and, for a rate cell, the service was seen to
+keep up with the arrivals (a queue that grows through the run is no load to deploy at, and a burst too
+short to tell is no evidence that it is one). Among those the highest
 request goodput wins; ties go to the current default, then to the higher output tok/s, then to the
 id. A context where no cell qualifies says so and names the closest (highest attainment) cell.
 """
@@ -17,6 +18,7 @@ from ddtree.bench.results import CellResult
 from ddtree.bench.slo import spec_of
 
 MAX_LISTED = 12  # cells named in the summary's "not eligible" line; the rest are counted
+KEPT_UP = {True: "", False: " (FELL BEHIND)", None: " (too short to tell whether it kept up)"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ def _f(cell: CellResult, key: str) -> float:
 
 def qualifies(cell: CellResult) -> bool:
     m = cell.metrics
-    return bool(m.get("slo_attained")) and int(m.get("failed") or 0) == 0 and m.get("keeps_up") is not False
+    kept_up = cell.request_rate is None or m.get("keeps_up") is True
+    return bool(m.get("slo_attained")) and int(m.get("failed") or 0) == 0 and kept_up
 
 
 def judged(cells: Sequence[CellResult]) -> list[CellResult]:
@@ -111,11 +114,13 @@ def slo_answer(cells: Sequence[CellResult], default_id: str) -> list[str]:
 
 
 def _why(cell: CellResult) -> str:
-    if cell.metrics.get("keeps_up") is False:
-        return "could not keep up with the arrivals"
     if int(cell.metrics.get("failed") or 0):
         return f"{cell.metrics.get('failed')} failed requests"
-    return f"missed: {_misses(cell)}"
+    if not cell.metrics.get("slo_attained"):
+        return f"missed: {_misses(cell)}"
+    if cell.metrics.get("keeps_up") is False:
+        return "could not keep up with the arrivals"
+    return "too short to tell whether the service kept up (a burst: more requests_per_cell)"
 
 
 def rate_lines(cells: Sequence[CellResult]) -> list[str]:
@@ -135,7 +140,7 @@ def answer_progress(metrics: Mapping[str, Any]) -> str:
     if metrics.get("offered_request_rate") is not None:
         text += (f", rate {metrics['offered_request_rate']:g}/s: sent {_n(metrics.get('achieved_request_rate'), 2)}, "
                  f"served {_n(metrics.get('served_request_rate'), 2)}, up to {metrics.get('max_in_flight')} in flight"
-                 + ("" if metrics.get("keeps_up") else " (FELL BEHIND)"))
+                 + KEPT_UP[metrics.get("keeps_up")])
     if metrics.get("slo_attainment") is not None:
         text += (f", SLO met by {_pct(metrics['slo_attainment'])}, goodput {_n(metrics.get('request_goodput'), 2)} req/s"
                  + ("" if metrics.get("slo_attained") else " (below target)"))

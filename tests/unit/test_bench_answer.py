@@ -26,8 +26,9 @@ def cell(config_id: str, load: int | float, goodput: float, attainment: float, c
 
 def test_the_answer_is_the_most_goodput_where_attainment_holds() -> None:
     cells = [cell("ar", 1, 2.0, 1.0), cell("ar", 8, 9.0, 0.95),  # the most goodput, but attainment misses
-             cell(DEFAULT, 8, 6.0, 1.0), cell("b4", 4.0, 7.0, 0.995),
-             cell("b16", 16.0, 8.0, 1.0, keeps_up=False)]  # fell behind its arrivals: no load to deploy at
+             cell(DEFAULT, 8, 6.0, 1.0), cell("b4", 4.0, 7.0, 0.995, keeps_up=True),
+             cell("b16", 16.0, 8.0, 1.0, keeps_up=False),  # fell behind its arrivals: no load to deploy at
+             cell("b12", 12.0, 7.5, 1.0, keeps_up=None)]  # a burst: no evidence it could be sustained
     answer = choose(cells, DEFAULT)[60]
     assert answer.cell is not None and (answer.cell.config_id, answer.cell.load) == ("b4", "r4")
 
@@ -68,6 +69,10 @@ def test_rate_cells_stay_out_of_the_objectives_and_say_when_they_fell_behind() -
     assert "Aggregate throughput (highest concurrency, highest output tok/s): **ar** (200.00 tok/s)" in text
     assert recommended_points(cells, DEFAULT, "ar") == {60: ("ar", "c1")}
     assert "(FELL BEHIND)" in answer_progress(cells[1].metrics | {"offered_request_rate": 8.0})
+    burst = answer_progress({"offered_request_rate": 40.0, "keeps_up": None})
+    assert "(too short to tell whether it kept up)" in burst and "FELL BEHIND" not in burst
+    unjudged = cell("ar", 40.0, 20.0, 1.0, keeps_up=None)
+    assert "ar-ctx60-r40 100.0% (too short to tell whether the service kept up" in render_summary([unjudged], DEFAULT, None)
 
 
 def test_deploys_json_appends_and_the_table_totals(tmp_path: Any) -> None:
