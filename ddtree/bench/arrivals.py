@@ -17,7 +17,8 @@ What a repeat reports, from its records alone:
                             latency per s of arrivals) and its standard error
     served_request_rate     achieved / (1 + slope): the rate the service served at
     keeps_up                false when a request failed, or the slope is above KEEP_UP_SLOPE by more
-                            than two standard errors; true when it is below by as much; else null
+                            than two standard errors; true when it is below by as much over a long
+                            enough run (below); else null
 
 Why the latency's slope: a service that keeps up answers each request about as fast as the last,
 however many come; one that serves at mu < lambda builds a queue, and a request arriving t seconds
@@ -25,7 +26,11 @@ later waits t x (lambda / mu - 1) longer, so slope = lambda / mu - 1 and mu = la
 KEEP_UP_SLOPE is the slope of serving at KEEP_UP_SHARE of the arrival rate. Every request counts, not
 the first and last answers: a batching server finishes several requests at once. A run whose arrivals
 span less than JUDGE_SPANS of its fastest request's latency is a burst, not a rate, and a noisy run may
-not resolve the slope: keeps_up is null there (too short or too noisy to tell), never a guess.
+not resolve the slope: keeps_up is null there (too short or too noisy to tell), never a guess. A flat
+slope says "kept up" only when the arrivals spanned JUDGE_SPANS median latencies too: a batching server
+shares its steps among everything in flight, and over a shorter run the last arrivals finish fast as
+the batch drains, so its latency need not grow while it falls behind (a steep slope is evidence either
+way).
 
 The cell keeps up only when no repeat fell behind: falling behind is reported (`keeps_up: false`), never
 averaged away.
@@ -104,13 +109,16 @@ def latency_trend(records: Sequence[ArrivalRecord]) -> tuple[float, float] | Non
 def _keeps_up(records: Sequence[ArrivalRecord], trend: tuple[float, float] | None, span: float) -> bool | None:
     if any(not r.ok for r in records):
         return False  # a request the service dropped or timed out was not kept up with
-    fastest = min((r.e2e_s for r in records if r.e2e_s is not None), default=None)
-    if trend is None or fastest is None or span < JUDGE_SPANS * fastest:
+    latencies = [r.e2e_s for r in records if r.e2e_s is not None]
+    if trend is None or not latencies or span < JUDGE_SPANS * min(latencies):
         return None  # a burst: the arrivals ended before the queue could show
     slope, se = trend
     if slope - 2 * se > KEEP_UP_SLOPE:
         return False
-    return True if slope + 2 * se <= KEEP_UP_SLOPE else None
+    # a flat slope proves keeping up only over a span of several typical latencies: a batching server
+    # falling behind over a shorter run serves its last arrivals fast as the batch drains
+    long_enough = span >= JUDGE_SPANS * statistics.median(latencies)
+    return True if slope + 2 * se <= KEEP_UP_SLOPE and long_enough else None
 
 
 def arrival_stats(records: Sequence[ArrivalRecord], offered_rate: float) -> dict[str, Any]:

@@ -109,3 +109,12 @@ def test_the_cell_keeps_up_only_when_no_repeat_fell_behind() -> None:
 
 def test_load_labels() -> None:
     assert (load_label(4, None), load_label(0, 2.0), load_label(0, 0.25)) == ("c4", "r2", "r0.25")
+
+
+def test_a_flat_latency_proves_keeping_up_only_over_several_typical_latencies() -> None:
+    """A batching server falling behind over a short run can show a flat latency (its last arrivals finish
+    fast as the batch drains): over less than JUDGE_SPANS median latencies a flat slope is no verdict."""
+    def flat(n: int) -> list[Rec]:
+        return run([0.1 * i for i in range(n)], [0.2 if i == 5 else 1.0 for i in range(n)])
+    assert arrival_stats(flat(20), offered_rate=10.0)["keeps_up"] is None  # 1.9 s of arrivals, 1 s latencies
+    assert arrival_stats(flat(50), offered_rate=10.0)["keeps_up"] is True  # 4.9 s: long enough to show a queue
