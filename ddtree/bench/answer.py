@@ -131,7 +131,7 @@ def rate_lines(cells: Sequence[CellResult]) -> list[str]:
     return ["Rates the service could not keep up with: " + "; ".join(
         f"{c.config_id}-ctx{c.context}-{c.load}: offered {c.request_rate:g}, sent {_n(c.metrics.get('achieved_request_rate'), 2)}, "
         f"served {_n(c.metrics.get('served_request_rate'), 2)} req/s, up to {c.metrics.get('max_in_flight')} in flight "
-        f"(repeats keeping up: {c.metrics.get('keeps_up_repeats')})" for c in behind) + "."]
+        f"(repeats that kept up: {c.metrics.get('keeps_up_repeats')})" for c in behind) + "."]
 
 
 def answer_progress(metrics: Mapping[str, Any]) -> str:

@@ -160,7 +160,7 @@ def summarize_arrivals(repeats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     verdicts = [r.get("keeps_up") for r in repeats]
     judged = [v for v in verdicts if v is not None]
     cell["keeps_up"] = None if not judged else all(judged)
-    cell["keeps_up_repeats"] = f"{sum(judged)} of {len(judged)} judged ({len(verdicts)} repeats)"
+    cell["keeps_up_repeats"] = f"{sum(judged)} of {len(judged)} judged, {len(verdicts)} run"
     return cell
 
 
