@@ -1,7 +1,7 @@
 """Grid files: a default server config, the server configs to sweep, and the client axes.
 
 This module owns the YAML format of `fixtures/grids/*.yaml` and the expansion of a grid into
-cells (config x context x concurrency). It knows nothing about pytest or about services.
+cells (config x context x load). It knows nothing about pytest or about services.
 
     default: {budget: 8, topk: 4, draft_window: 2048, block_size: 8}
     configs:                      # server-scoped: each entry is one deploy (restart)
@@ -10,8 +10,13 @@ cells (config x context x concurrency). It knows nothing about pytest or about s
       - {budget: 4, topk: 4, draft_window: 2048, block_size: 8}
     client: {contexts: [60, 1024], concurrency: [1, 32], max_new_tokens: 128,
              requests_per_cell: 32, repeats: 3, warmup_requests: 2}      # never restarts
+    # client may also hold request_rates: [0.5, 2] (req/s, Poisson arrivals, open loop) and arrival_seed: 0
+    slo: {ttft_p99_ms: 2000, tpot_p90_ms: 50, attainment_target: 0.99}  # the answer's criterion (bench/slo.py)
     quality: {problems: 5, k: 1, n: 1, threshold: 0.8, temperature: 0.0, max_new_tokens: 192,
               accept_floor: 1.5, mode: completion}   # mode chat: /v1/chat/completions, for chat models
+
+A load is a concurrency level (closed loop) or a request rate (open loop); a grid may have either axis
+or both (concurrency defaults to [1] only when there are no request_rates).
 
 Config entries take SpecConfig's keys (algorithm, budget, topk, block_size, draft_window); keys
 a config entry leaves out come from `default`, so `{budget: 4}` is the default with budget 4.
@@ -26,13 +31,15 @@ from typing import Any
 
 import yaml
 
+from ddtree.bench.arrivals import check_rate, load_label
+from ddtree.bench.slo import SloSpec, parse_slo
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError
 
 GRIDS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "grids"
 
 SERVER_KEYS = ("algorithm", "budget", "topk", "block_size", "draft_window")  # a change restarts
-TOP_KEYS = ("name", "description", "default", "configs", "client", "quality")
+TOP_KEYS = ("name", "description", "default", "configs", "client", "quality", "slo")
 QUALITY_MODES = ("completion", "chat")
 
 
@@ -66,15 +73,27 @@ class Grid:
     warmup_requests: int = 2
     quality: QualitySpec = field(default_factory=QualitySpec)
     path: Path | None = None
+    request_rates: tuple[float, ...] = ()  # req/s, open loop
+    arrival_seed: int = 0  # repeat i of a rate cell draws its arrivals from seed + i
+    slo: SloSpec | None = None
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One measurement: a server config at one context length and one concurrency level."""
+    """One measurement: a server config at one context length and one load.
+
+    The load is `concurrency` requests in flight (closed loop), or, for a rate cell, `request_rate`
+    requests per second sent at Poisson arrival times whatever is in flight (open loop; concurrency 0).
+    """
 
     spec: SpecConfig
     context: int
     concurrency: int
+    request_rate: float | None = None
+
+    @property
+    def load(self) -> str:
+        return load_label(self.concurrency, self.request_rate)
 
     @property
     def config_id(self) -> str:
@@ -83,7 +102,7 @@ class Cell:
     @property
     def key(self) -> str:
         """The floors-file key under the config id."""
-        return f"ctx{self.context}-c{self.concurrency}"
+        return f"ctx{self.context}-{self.load}"
 
     @property
     def id(self) -> str:
@@ -133,20 +152,27 @@ def parse_grid(data: Any, *, where: str = "grid", name: str = "grid", path: Path
         if spec not in configs:
             configs.append(spec)
     client = _mapping(data.get("client", {}), f"{where}: client")
-    client_keys = ("contexts", "concurrency", "max_new_tokens", "requests_per_cell", "repeats", "warmup_requests")
+    client_keys = ("contexts", "concurrency", "request_rates", "arrival_seed", "max_new_tokens", "requests_per_cell",
+                   "repeats", "warmup_requests")
     _no_unknown(client, client_keys, f"{where}: client")
+    rates = _rate_list(client.get("request_rates", []), f"{where}: client.request_rates")
+    slo = parse_slo(_mapping(data["slo"], f"{where}: slo"), f"{where}: slo") if "slo" in data else None
     grid = Grid(
         name=str(data.get("name", name)),
         default=default,
         configs=tuple(configs),
         contexts=_int_list(client.get("contexts", [60]), f"{where}: client.contexts", 1, 1 << 20),
-        concurrency=_int_list(client.get("concurrency", [1]), f"{where}: client.concurrency", 1, 4096),
+        concurrency=() if rates and "concurrency" not in client
+        else _int_list(client.get("concurrency", [1]), f"{where}: client.concurrency", 1, 4096),
         max_new_tokens=_int(client.get("max_new_tokens", 128), f"{where}: client.max_new_tokens", 1, 1 << 16),
         requests_per_cell=_int(client.get("requests_per_cell", 32), f"{where}: client.requests_per_cell", 1, 1 << 16),
         repeats=_int(client.get("repeats", 3), f"{where}: client.repeats", 1, 100),
         warmup_requests=_int(client.get("warmup_requests", 2), f"{where}: client.warmup_requests", 0, 1024),
         quality=_parse_quality(_mapping(data.get("quality", {}), f"{where}: quality"), f"{where}: quality"),
         path=path,
+        request_rates=rates,
+        arrival_seed=_int(client.get("arrival_seed", 0), f"{where}: client.arrival_seed", 0, (1 << 31) - 1),
+        slo=slo,
     )
     return grid
 
@@ -210,6 +236,15 @@ def _int_list(value: Any, where: str, low: int, high: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))  # keep order, drop repeats
 
 
+def _rate_list(value: Any, where: str) -> tuple[float, ...]:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list of requests per second (numbers > 0), got {value!r}")
+    out = tuple(check_rate(v, f"{where}[{i}]") for i, v in enumerate(value))
+    return tuple(dict.fromkeys(out))
+
+
 # -- cells -------------------------------------------------------------------------------------
 
 
@@ -243,14 +278,16 @@ def cells(
 ) -> tuple[list[Cell], list[tuple[Cell, str]]]:
     """All cells in deploy order, split into (kept, [(removed, reason)]).
 
-    Order: config (ordered_configs), then context, then concurrency, so each config is deployed once.
+    Order: config (ordered_configs), then context, then concurrency, then request rate, so each config
+    is deployed once.
     """
     kept: list[Cell] = []
     removed: list[tuple[Cell, str]] = []
     for spec in ordered_configs(grid):
         for context in sorted(grid.contexts):
-            for conc in sorted(grid.concurrency):
-                cell = Cell(spec, context, conc)
+            loads = [Cell(spec, context, conc) for conc in sorted(grid.concurrency)]
+            loads += [Cell(spec, context, 0, rate) for rate in sorted(grid.request_rates)]
+            for cell in loads:
                 reason = impossible_reason(cell, grid.max_new_tokens, max_context, max_block_size)
                 if reason is None:
                     kept.append(cell)

@@ -1,6 +1,7 @@
 """Load generator: fires token-id prompts at an SGLang-style /generate endpoint and records each.
 
-It owns concurrency (exactly `concurrency` requests in flight, closed loop), timing (TTFT, ITL,
+It owns concurrency (exactly `concurrency` requests in flight, closed loop; or, open loop, each
+request sent at its own arrival time whatever is in flight: `run_open_loop`), timing (TTFT, ITL,
 TPOT, E2E) and error capture; it knows nothing about configs, services or result files. A failed
 request never raises: it becomes a RequestRecord with ok=False and the reason in `error`.
 
@@ -58,6 +59,7 @@ class RequestRecord:
     rid: str | None = None  # meta_info's id: the server's name for the request
     # with timeline=True: CLOCK_MONOTONIC ns at c_send, c_first, c_last (tokens), c_done ([DONE] or the body), c_end
     stamps: dict[str, int] = field(default_factory=dict)
+    scheduled_at: float | None = None  # open loop: when the arrival was due (wall clock); started_at - this = lag
 
 
 @functools.cache
@@ -300,6 +302,50 @@ async def _run_indexed(base_url: str, items: Sequence[tuple[int, Sequence[int]]]
     return records
 
 
+async def run_open_loop(
+    base_url: str,
+    prompts: Sequence[Sequence[int]],
+    offsets_s: Sequence[float],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    stream: bool = True,
+    timeout_s: float = 600,
+    seed: int | None = None,
+) -> list[RequestRecord]:
+    """Open loop: prompt i leaves `offsets_s[i]` seconds after the start, whatever is still in flight.
+
+    Nothing caps the requests in flight: a service slower than the arrivals builds a queue, and that queue
+    is what an arrival rate measures. Each record's `scheduled_at` is when its arrival was due, so the
+    client's own lateness (started_at - scheduled_at) shows. Records in prompt order.
+    """
+    _check_args(prompts, 1, max_new_tokens, timeout_s)
+    split_url(base_url)
+    offsets = list(offsets_s)
+    if len(offsets) != len(prompts):
+        raise ConfigError(f"offsets_s: {len(offsets)} arrival times for {len(prompts)} prompts (need one each)")
+    if any(o < 0 for o in offsets) or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ConfigError("offsets_s: arrival times must be >= 0 seconds and in ascending order")
+    path = split_url(base_url).path.rstrip("/") + "/generate"
+    loop = asyncio.get_running_loop()
+    async with ConnectionPool(base_url, ssl=tls_verify(base_url)) as pool:
+        start, wall = loop.time(), time.time()
+        tasks = []
+        for i, (prompt, offset) in enumerate(zip(prompts, offsets)):
+            delay = start + offset - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                        "ignore_eos": ignore_eos}
+            if seed is not None:
+                sampling["seed"] = seed + i
+            tasks.append(asyncio.create_task(_one(pool, path, prompt, sampling, stream, timeout_s)))
+        records = list(await asyncio.gather(*tasks))
+    for record, offset in zip(records, offsets):
+        record.scheduled_at = wall + offset
+    return records
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -359,6 +405,12 @@ def client_pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
             pause *= 2
         _POOLS[processes] = pool
     return pool
+
+
+def run_arrivals(base_url: str, prompts: Sequence[Sequence[int]], offsets_s: Sequence[float],
+                 max_new_tokens: int, **kwargs: Any) -> list[RequestRecord]:
+    """Synchronous wrapper of run_open_loop (starts its own event loop, run_client's)."""
+    return run_client(run_open_loop(base_url, prompts, offsets_s, max_new_tokens, **kwargs))
 
 
 def run_load(base_url: str, prompts: Sequence[Sequence[int]], concurrency: int,

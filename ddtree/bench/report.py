@@ -11,7 +11,9 @@ Within a slice a config scores the mean over its (context, concurrency) keys of 
 the best value at that key (1.0 = best everywhere), so a slice with several keys is scale-free. A
 cell with failed requests is not eligible, and only configs measured at the most keys of the slice
 compete. The recommended default wins the most objectives; ties go to the current default, then to
-the higher total score, then to the id.
+the higher total score, then to the id. The objectives read closed-loop cells (a concurrency); rate
+cells count in the SLO answer (answer.py), which leads the summary when the sweep ran under SLOs,
+and in the Pareto frontier (pareto.py). A table of deploys (deploys.py) follows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.answer import recommended_points, slo_answer
 from ddtree.bench.baseline import (
     COMPARE_MD,
     DEFAULT_TOLERANCE,
@@ -36,6 +39,8 @@ from ddtree.bench.baseline import (
     read_baseline_record,
 )
 from ddtree.bench.comparison_md import render_comparison, render_header
+from ddtree.bench.deploys import deploy_table, read_deploys
+from ddtree.bench.pareto import pareto_lines
 from ddtree.bench.results import (
     CellResult,
     atomic_write_text,
@@ -200,9 +205,10 @@ def restore_line(restore: dict[str, Any] | None) -> str:
 
 def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[str, Any] | None,
                    comparison: Comparison | None = None, baseline: dict[str, Any] | None = None,
-                   verdicts: Sequence[str] = ()) -> str:
+                   verdicts: Sequence[str] = (), deploys: Sequence[dict[str, Any]] | None = None) -> str:
     """The summary; with a `comparison` (and its baseline.json `baseline`) a vs-baseline part too;
-    `verdicts`: the "Pace and verdicts" lines (ddtree.bench.verdicts)."""
+    `verdicts`: the "Pace and verdicts" lines (ddtree.bench.verdicts); `deploys` (deploys.json's entries):
+    their table."""
     lines = ["# Sweep summary", ""]
     if not cells:
         return "\n".join([*lines, "No cells were measured.", "", restore_line(restore), "",
@@ -216,7 +222,9 @@ def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[s
         f"backend {', '.join(backends)}.",
         "",
     ]
-    winners = [pick_winner(o, cells, default_id) for o in OBJECTIVES]
+    lines += slo_answer(cells, default_id)
+    closed_loop = [c for c in cells if c.request_rate is None]
+    winners = [pick_winner(o, closed_loop, default_id) for o in OBJECTIVES]
     recommended = recommend(winners, default_id)
     lines += ["## Recommendation", ""]
     for w in winners:
@@ -235,11 +243,14 @@ def render_summary(cells: Sequence[CellResult], default_id: str, restore: dict[s
     if verdicts:
         lines += ["## Pace and verdicts", "", *verdicts, ""]
     lines += _baseline_part(comparison, baseline)
-    groups: dict[tuple[int, int], list[CellResult]] = defaultdict(list)
-    for c in cells:
-        groups[(c.context, c.concurrency)].append(c)
-    for (context, concurrency), group in sorted(groups.items()):
-        lines += [f"## context {context}, concurrency {concurrency}", ""]
+    lines += pareto_lines(cells, recommended_points(cells, default_id, recommended))
+    lines += deploy_table(deploys) if deploys is not None else []
+    groups: dict[tuple[int, str], list[CellResult]] = defaultdict(list)
+    for c in sorted(cells, key=lambda c: (c.context, c.request_rate is not None, c.concurrency, c.request_rate or 0.0)):
+        groups[(c.context, c.load)].append(c)  # concurrency levels first, then rates
+    for (context, load), group in groups.items():
+        title = f"concurrency {load[1:]}" if load.startswith("c") else f"{load[1:]} requests/s (open loop)"
+        lines += [f"## context {context}, {title}", ""]
         lines += _table(group, default_id, comparison)
         lines.append("")
     return "\n".join(lines)
@@ -285,7 +296,7 @@ def write_sweep_summary(results_dir: str | Path, default_config_id: str,
     comparison, record = baseline_comparison(Path(results_dir))
     cells = with_quality(results_dir, read_cells(results_dir))
     verdicts = pace_lines(cells, results_dir) + verdict_lines(read_verdicts(results_dir))
-    text = render_summary(cells, default_config_id, restore, comparison, record, verdicts)
+    text = render_summary(cells, default_config_id, restore, comparison, record, verdicts, read_deploys(results_dir))
     path = Path(results_dir) / SUMMARY_MD
     atomic_write_text(path, text)
     return path

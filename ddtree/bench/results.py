@@ -2,9 +2,10 @@
 
 Layout under a results directory (schema in docs/results.md):
 
-    cells/<config_id>__ctx<context>__c<concurrency>.json   one CellResult each
+    cells/<config_id>__ctx<context>__c<concurrency>.json   one CellResult each (__r<rate>.json: a rate cell)
     summary.csv                                            one row per cell
     restore.json                                           outcome of restoring the default
+    deploys.json                                           what each deploy took (deploys.py)
     sweep_summary.md, plots/*.png                          written by report.py / plots.py
 
 Writers never leave a partial file: they write a temporary file in the same directory and
@@ -27,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.arrivals import load_label
 from ddtree.bench.metrics import summarize_cell
 
 SCHEMA_VERSION = 1
@@ -58,13 +60,14 @@ class CellResult:
     client: dict[str, Any] = field(default_factory=dict)  # max_new_tokens, num_prompts, ...
     quality: dict[str, Any] | None = None  # {pass_at_k, k, n, problems}
     pace: dict[str, Any] | None = None  # {probe, score, readings, per_repeat, where}: the machine's pace around it
+    request_rate: float | None = None  # a rate cell's req/s (open loop; concurrency 0)
 
     @classmethod
     def build(cls, *, config_id: str, spec: dict[str, Any], context: int, concurrency: int,
               per_repeat: list[dict[str, Any]], backend: str, started_at: str,
               finished_at: str | None = None, client: dict[str, Any] | None = None,
               quality: dict[str, Any] | None = None, repo_dir: str | Path | None = None,
-              pace: dict[str, Any] | None = None) -> CellResult:
+              pace: dict[str, Any] | None = None, request_rate: float | None = None) -> CellResult:
         """A cell from its repeat summaries, filling metrics, machine, GPU and commit."""
         return cls(
             config_id=config_id, spec=dict(spec), context=context, concurrency=concurrency,
@@ -72,11 +75,17 @@ class CellResult:
             per_repeat=list(per_repeat), machine=machine_info(), gpu=gpu_name(),
             commit=git_commit(repo_dir), backend=backend, started_at=started_at,
             finished_at=finished_at or now_iso(), client=dict(client or {}), quality=quality, pace=pace,
+            request_rate=request_rate,
         )
 
     @property
     def filename(self) -> str:
-        return cell_filename(self.config_id, self.context, self.concurrency)
+        return cell_filename(self.config_id, self.context, self.concurrency, self.request_rate)
+
+    @property
+    def load(self) -> str:
+        """`c<N>` (closed loop) or `r<R>` (open loop at R req/s)."""
+        return load_label(self.concurrency, self.request_rate)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,8 +160,8 @@ def git_commit(repo_dir: str | Path | None = None) -> str:
 
 # -- files -------------------------------------------------------------------------------------
 
-def cell_filename(config_id: str, context: int, concurrency: int) -> str:
-    return f"{config_id}__ctx{context}__c{concurrency}.json"
+def cell_filename(config_id: str, context: int, concurrency: int, request_rate: float | None = None) -> str:
+    return f"{config_id}__ctx{context}__{load_label(concurrency, request_rate)}.json"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -177,7 +186,7 @@ def write_cell(results_dir: str | Path, cell: CellResult) -> Path:
 
 
 def read_cells(results_dir: str | Path) -> list[CellResult]:
-    """Every cell file, sorted by (context, concurrency, config_id); temp files are ignored."""
+    """Every cell file, sorted by (context, concurrency, then rate, config_id); temp files are ignored."""
     cells_dir = Path(results_dir) / CELLS_DIR
     if not cells_dir.is_dir():
         return []
@@ -190,11 +199,13 @@ def read_cells(results_dir: str | Path) -> list[CellResult]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not valid JSON ({err})") from err
         cells.append(CellResult.from_dict(data, where=str(path)))
-    return sorted(cells, key=lambda c: (c.context, c.concurrency, c.config_id))
+    return sorted(cells, key=lambda c: (c.context, c.request_rate is not None, c.concurrency, c.request_rate or 0.0,
+                                        c.config_id))
 
 
-def cell_exists(results_dir: str | Path, config_id: str, context: int, concurrency: int) -> bool:
-    return (Path(results_dir) / CELLS_DIR / cell_filename(config_id, context, concurrency)).is_file()
+def cell_exists(results_dir: str | Path, config_id: str, context: int, concurrency: int,
+                request_rate: float | None = None) -> bool:
+    return (Path(results_dir) / CELLS_DIR / cell_filename(config_id, context, concurrency, request_rate)).is_file()
 
 
 CSV_SPEC = ("algorithm", "budget", "topk", "draft_window", "block_size")
@@ -204,15 +215,18 @@ CSV_METRICS = (
     "median_ttft_ms", "median_ttft_ms_mad", "p90_ttft_ms", "p99_ttft_ms",
     "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms", "median_itl_ms",
     "accept_length", "accept_length_mad", "pace_normalized_throughput", "speedup_vs_ar",
+    "slo_attainment", "slo_attained", "request_goodput", "request_goodput_mad",  # bench/slo.py
+    "scheduled_request_rate", "achieved_request_rate", "served_request_rate", "max_in_flight", "keeps_up",  # arrivals.py
 )
-CSV_COLUMNS = ("config_id", *CSV_SPEC, "context", "concurrency", "repeats", *CSV_METRICS,
+CSV_COLUMNS = ("config_id", *CSV_SPEC, "context", "concurrency", "request_rate", "repeats", *CSV_METRICS,
                "pace", "pace_probe", "pass_at_k", "k", "backend", "gpu", "commit", "finished_at")
 
 
 def cell_row(cell: CellResult) -> dict[str, Any]:
     quality = cell.quality or {}
     row: dict[str, Any] = {"config_id": cell.config_id, "context": cell.context,
-                           "concurrency": cell.concurrency, "repeats": cell.repeats}
+                           "concurrency": cell.concurrency, "request_rate": cell.request_rate,
+                           "repeats": cell.repeats}
     row.update({k: cell.spec.get(k) for k in CSV_SPEC})
     row.update({k: cell.metrics.get(k) for k in CSV_METRICS})
     pace = cell.pace or {}

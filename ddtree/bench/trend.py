@@ -1,10 +1,10 @@
 """Trend across runs, and the offline baseline comparison's plot (PNG via matplotlib's Agg canvas).
 
-    ddtree sweep-report --trend results/night-*  --out trend/     # trend.md + trend_ctx<C>_c<N>.png
+    ddtree sweep-report --trend results/night-*  --out trend/     # trend.md + trend_ctx<C>_c<N>.png (_r<R>: a rate)
     ddtree sweep-report --compare OLD NEW                          # NEW/vs_baseline.md + NEW/plots/vs_baseline.png
 
 Trend: the runs are ordered by when they started (their earliest cell's started_at). For each
-(context, concurrency) one PNG with two panels, output tok/s (median, the repeats' range as an
+(context, load) one PNG with two panels, output tok/s (median, the repeats' range as an
 error bar) and acceptance length, against the run's date, one line per config; and a markdown
 table beside it, a row per config and a column per run. Reads result files only.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ddtree.bench.arrivals import load_label
 from ddtree.bench.baseline import Comparison, run_identity, run_time
 from ddtree.bench.results import CellResult, atomic_write_text, read_cells
 
@@ -57,13 +58,23 @@ def load_runs(dirs: Sequence[Path]) -> list[Run]:
     return sorted(runs, key=lambda r: (r.when, str(r.path)))
 
 
-def _series(runs: Sequence[Run], key: tuple[int, int], metric: str) -> dict[str, list[tuple[datetime, float, float, float]]]:
-    """config id -> [(date, median, lo, hi)] for one (context, concurrency) and metric."""
+def _key(cell: CellResult) -> tuple[int, bool, int, float]:
+    """(context, is a rate cell, concurrency, rate): a cell's place in a trend; concurrency levels sort first."""
+    return (cell.context, cell.request_rate is not None, cell.concurrency, cell.request_rate or 0.0)
+
+
+def _title(key: tuple[int, bool, int, float]) -> str:
+    return f"context {key[0]}, " + (f"{key[3]:g} requests/s" if key[1] else f"concurrency {key[2]}")
+
+
+def _series(runs: Sequence[Run], key: tuple[int, bool, int, float],
+            metric: str) -> dict[str, list[tuple[datetime, float, float, float]]]:
+    """config id -> [(date, median, lo, hi)] for one (context, load) and metric."""
     out: dict[str, list[tuple[datetime, float, float, float]]] = defaultdict(list)
     for run in runs:
         for c in run.cells:
             value = c.metrics.get(metric)
-            if (c.context, c.concurrency) != key or not isinstance(value, (int, float)):
+            if _key(c) != key or not isinstance(value, (int, float)):
                 continue
             repeats = [float(r[metric]) for r in c.per_repeat if isinstance(r.get(metric), (int, float))]
             lo, hi = (min(repeats), max(repeats)) if repeats else (value, value)
@@ -78,7 +89,7 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def plot_trend(runs: Sequence[Run], key: tuple[int, int], path: Path) -> Path:
+def plot_trend(runs: Sequence[Run], key: tuple[int, bool, int, float], path: Path) -> Path:
     fig = Figure(figsize=(9, 7), layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
     configs = sorted({c.config_id for run in runs for c in run.cells})
@@ -95,23 +106,23 @@ def plot_trend(runs: Sequence[Run], key: tuple[int, int], path: Path) -> Path:
     axes[0].legend(fontsize=8, loc="best")
     axes[1].set_xlabel("run start (UTC)")
     fig.autofmt_xdate()
-    fig.suptitle(f"context {key[0]}, concurrency {key[1]}: {len(runs)} runs")
+    fig.suptitle(f"{_title(key)}: {len(runs)} runs")
     return _save(fig, path)
 
 
-def render_trend(runs: Sequence[Run], pngs: dict[tuple[int, int], Path]) -> str:
+def render_trend(runs: Sequence[Run], pngs: dict[tuple[int, bool, int, float], Path]) -> str:
     lines = ["# Trend", "", f"{len(runs)} runs, oldest first:", ""]
     lines += [f"{i + 1}. {run.label}: `{run.path}` (GPU {run.gpu})" for i, run in enumerate(runs)]
     lines.append("")
     for key in sorted(pngs):
-        lines += [f"## context {key[0]}, concurrency {key[1]}", "", f"![trend]({pngs[key].name})", "",
+        lines += [f"## {_title(key)}", "", f"![trend]({pngs[key].name})", "",
                   "output tok/s (acceptance length) per run:", "",
                   "| config | " + " | ".join(str(i + 1) for i in range(len(runs))) + " |",
                   "|---|" + "---|" * len(runs)]
         table: dict[str, list[str]] = defaultdict(lambda: ["-"] * len(runs))
         for i, run in enumerate(runs):
             for c in run.cells:
-                if (c.context, c.concurrency) == key:
+                if _key(c) == key:
                     tps, acc = c.metrics.get("output_throughput"), c.metrics.get("accept_length")
                     table[c.config_id][i] = ("-" if tps is None else f"{tps:.1f}") + (
                         "" if acc is None else f" ({acc:.2f})")
@@ -121,10 +132,11 @@ def render_trend(runs: Sequence[Run], pngs: dict[tuple[int, int], Path]) -> str:
 
 
 def write_trend(dirs: Sequence[Path], out: Path) -> list[Path]:
-    """trend.md and one trend_ctx<C>_c<N>.png per (context, concurrency) under `out`."""
+    """trend.md and one trend_ctx<C>_c<N>.png (_r<R>.png: a rate) per (context, load) under `out`."""
     runs = load_runs(dirs)
-    keys = sorted({(c.context, c.concurrency) for run in runs for c in run.cells})
-    pngs = {key: plot_trend(runs, key, out / f"trend_ctx{key[0]}_c{key[1]}.png") for key in keys}
+    keys = sorted({_key(c) for run in runs for c in run.cells})
+    pngs = {key: plot_trend(runs, key, out / f"trend_ctx{key[0]}_{load_label(key[2], key[3] if key[1] else None)}.png")
+            for key in keys}
     md = out / TREND_MD
     atomic_write_text(md, render_trend(runs, pngs))
     return [md, *pngs.values()]

@@ -17,6 +17,9 @@ raises the same error with the same log tail. When two different configs in a ro
 with the same error (the same first line and the same last log line, numbers aside: a missing
 module, a bad flag, no GPU) the sweep is aborted with SweepAborted: no other config could start.
 The default is still restored (attempted, and the outcome reported) by the context manager.
+
+Every deploy, failed ones and the restore included, leaves a DeployTiming in `deploy_timings`: seconds
+from the start command to ready and to verified (what a restart costs the sweep).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from types import TracebackType
 
 from ddtree.config import DEFAULT_SPEC, SpecConfig
@@ -53,6 +58,25 @@ def start_error_signature(err: BaseException) -> str:
     text = f"{type(err).__name__}: {first} | {tail[-1] if tail else ''}"
     text = re.sub(r"\b(b(auto)?\d*-k\d+-w(none|\d+)-bs\d+|dflash-w(none|\d+)-bs\d+|ar)\b", "<config>", text)
     return re.sub(r"\d+(\.\d+)?", "N", text)
+
+
+@dataclass
+class DeployTiming:
+    """One deploy: seconds from the start command to ready and to verified (None where it never got there)."""
+
+    config_id: str
+    purpose: str  # "sweep" (a config's cells need it) or "restore" (the default put back at the end)
+    restarted: bool  # False for a backend that only observes (url): nothing was started
+    started_at: str  # ISO 8601, UTC: when the start command was issued
+    ready_s: float | None = None
+    verified_s: float | None = None
+    spent_s: float | None = None  # what the deploy took, failed or not
+    ok: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """The fields and `cold_start_s`: start command to verified, the time before cells can run (None if it failed)."""
+        return {**asdict(self), "cold_start_s": self.verified_s if self.ok else None}
 
 
 class ServiceManager:
@@ -91,6 +115,7 @@ class ServiceManager:
         self.last_report: VerifyReport | None = None
         self.deploy_count = 0  # restarts issued (a url backend never restarts)
         self.deploy_history: list[SpecConfig] = []
+        self.deploy_timings: list[DeployTiming] = []
         self.restore_report: VerifyReport | None = None
         self.restore_error: Exception | None = None
 
@@ -155,22 +180,33 @@ class ServiceManager:
             raise self.aborted from failed
         raise failed
 
-    def deploy(self, spec: SpecConfig) -> VerifyReport:
+    def deploy(self, spec: SpecConfig, purpose: str = "sweep") -> VerifyReport:
         """Start (or, for url, check) `spec`, wait until ready, verify; raise ServiceError on failure."""
         name = self.backend.name
         self.current = None  # unknown until this deploy is verified
+        timing = DeployTiming(spec.id, purpose, self.backend.can_restart,
+                              datetime.now(UTC).isoformat(timespec="seconds"))
+        self.deploy_timings.append(timing)
         started = time.monotonic()
-        if self.backend.can_restart:
-            self.log(f"[{name}] deploying {spec.id}")
-            self.deployment = self.backend.start(spec)
-            self.deploy_count += 1
-            self.deploy_history.append(spec)
-            wait_ready(self.backend, timeout_s=self.startup_timeout_s, poll_s=self.poll_s,
-                       progress=self.log)
-        else:
-            self.deployment = self.backend.start(spec)  # raises when the running config differs
-        report = verify_or_raise(self.backend, spec, generate=self.verify_generation)
-        self.log(f"[{name}] {spec.id} ready and verified in {time.monotonic() - started:.1f} s "
+        try:
+            if self.backend.can_restart:
+                self.log(f"[{name}] deploying {spec.id}")
+                self.deployment = self.backend.start(spec)
+                self.deploy_count += 1
+                self.deploy_history.append(spec)
+                wait_ready(self.backend, timeout_s=self.startup_timeout_s, poll_s=self.poll_s,
+                           progress=self.log)
+            else:
+                self.deployment = self.backend.start(spec)  # raises when the running config differs
+            timing.ready_s = round(time.monotonic() - started, 3)
+            report = verify_or_raise(self.backend, spec, generate=self.verify_generation)
+        except BaseException as err:
+            timing.spent_s = round(time.monotonic() - started, 3)
+            timing.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise
+        timing.verified_s = timing.spent_s = round(time.monotonic() - started, 3)
+        timing.ok = True
+        self.log(f"[{name}] {spec.id} ready and verified in {timing.verified_s:.1f} s "
                  f"(settings, init log line, generation)")
         self.current, self.last_report = spec, report
         return report
@@ -182,7 +218,7 @@ class ServiceManager:
         if spec != self.current or not alive:
             if spec == self.current:
                 self.log(f"[{self.backend.name}] default {spec.id} is down ({reason}); restarting")
-            return self.deploy(spec)
+            return self.deploy(spec, purpose="restore")
         report = verify_or_raise(self.backend, spec, generate=self.verify_generation)
         self.last_report = report
         self.log(f"[{self.backend.name}] default {spec.id} is running and verified")

@@ -1,6 +1,6 @@
 """Cells as pytest parameters: expansion of the grid, impossible-cell removal, ids and xdist groups.
 
-Perf tests take a `cell` argument (config x context x concurrency); quality tests take a
+Perf tests take a `cell` argument (config x context x load); quality tests take a
 `config_cell` argument (one per server config). Both are parametrized here from the session's
 grid, with the config id as the xdist group so that, under `--dist loadgroup`, every cell of a
 config runs on the same worker and the config is deployed once there.
@@ -15,7 +15,7 @@ import pytest
 from ddtree.config import SpecConfig
 from ddtree.grid import Cell, Grid, cells, ordered_configs
 
-CELL_ARG = "cell"  # perf: one Cell per (config, context, concurrency)
+CELL_ARG = "cell"  # perf: one Cell per (config, context, concurrency or request rate)
 CONFIG_ARG = "config_cell"  # quality: one SpecConfig per server config
 
 
@@ -64,19 +64,20 @@ def item_spec(item: pytest.Item) -> SpecConfig | None:
 def sort_items(items: list[pytest.Item], expansion: Expansion) -> None:
     """Reorder in place: items without a config keep their order and come first; config items
     follow grouped by config in deploy order, then by test function (in collection order), then
-    context and concurrency, so each server config is deployed once."""
+    context and load (concurrency levels, then request rates), so each server config is deployed once."""
     first_seen: dict[str, int] = {}
     keys = []
     for index, item in enumerate(items):
         spec = item_spec(item)
         if spec is None:
-            keys.append((0, 0, 0, 0, 0, index))
+            keys.append((0, 0, 0, 0, (False, 0, 0.0), index))
             continue
         func = item.nodeid.split("[")[0]
         kind = first_seen.setdefault(func, len(first_seen))
         cell = item.callspec.params.get(CELL_ARG)  # type: ignore[attr-defined]
-        context, conc = (cell.context, cell.concurrency) if isinstance(cell, Cell) else (0, 0)
+        context, load = ((cell.context, (cell.request_rate is not None, cell.concurrency, cell.request_rate or 0.0))
+                         if isinstance(cell, Cell) else (0, (False, 0, 0.0)))
         order = expansion.order.get(spec.id, len(expansion.order))
-        keys.append((1, order, kind, context, conc, index))
+        keys.append((1, order, kind, context, load, index))
     ranked = sorted(range(len(items)), key=keys.__getitem__)
     items[:] = [items[i] for i in ranked]

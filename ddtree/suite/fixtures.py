@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ddtree.bench.answer import answer_progress
 from ddtree.bench.results import PACE_DIR
 from ddtree.config import SpecConfig
 from ddtree.grid import Cell
@@ -109,6 +110,7 @@ def cell_progress(config: pytest.Config, cell: Cell, metrics: dict[str, Any], pa
         f"TPOT {metrics.get('median_tpot_ms') or 0:.1f} ms, "
         f"accept {'-' if accept is None else f'{accept:.2f}'}, "
         f"{metrics.get('completed', 0)} ok / {metrics.get('failed', 0)} failed"
+        + answer_progress(metrics)
     )
     _log_to_terminal(config)(line)
 
@@ -141,6 +143,7 @@ def service(request: pytest.FixtureRequest) -> Iterator[ServiceManager]:
                 state.deploys += [spec.id for spec in manager.deploy_history]
     finally:
         state.restore = restore_record(manager)
+        state.deploy_timings += [t.to_dict() for t in manager.deploy_timings]
         log(f"[{backend.name}] deploys this session: {manager.deploy_count}; {manager.restore_outcome}")
 
 
@@ -194,7 +197,8 @@ def resume_skip(request: pytest.FixtureRequest, suite: SuiteOptions) -> None:
     from ddtree.bench.results import cell_exists
 
     cell = request.node.callspec.params.get(CELL_ARG)
-    if suite.resume and isinstance(cell, Cell) and cell_exists(suite.results_dir, cell.config_id, cell.context, cell.concurrency):
+    if suite.resume and isinstance(cell, Cell) and cell_exists(suite.results_dir, cell.config_id, cell.context,
+                                                               cell.concurrency, cell.request_rate):
         suite_state(request.config).resumed.append(cell.id)
         pytest.skip(f"--resume: {cell.id} already has a result file in {suite.results_dir}")
 

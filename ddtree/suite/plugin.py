@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 
+from ddtree.bench.deploys import write_deploys
 from ddtree.bench.report import write_sweep_summary
 from ddtree.bench.results import read_quality, write_summary_csv
 from ddtree.bench.verdicts import pace_lines, write_verdicts
@@ -52,7 +53,7 @@ from ddtree.suite.verdict import Tolerances
 
 # Sibling plugin modules that add options (loaded with this one, inert like it); the fixtures
 # module is registered only in the suite's own runs (pytest_configure).
-pytest_plugins = ["ddtree.suite.baseline"]
+pytest_plugins = ["ddtree.suite.baseline", "ddtree.suite.slo", "ddtree.suite.plan"]
 FIXTURES_MODULE = "ddtree.suite.fixtures"
 
 OPT_IN_MARKERS = ("perf", "bench")
@@ -257,6 +258,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                              "floors_probe": options.floors.probe, "require_floors": options.require_floors,
                              "tolerances": vars(tolerances), "no_floor": state.no_floor,
                              "notes": state.verdict_notes})
+    write_deploys(results, state.deploy_timings)
     restore = _merged_restore(state, options.grid.default.id) or {}
     restore = {**restore, "deploys": len(state.deploys), "deploy_order": state.deploys}  # kept in restore.json
     write_sweep_summary(results, options.grid.default.id, restore)

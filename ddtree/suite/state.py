@@ -18,6 +18,7 @@ class SuiteState:
 
     expansion: Expansion
     deploys: list[str] = field(default_factory=list)  # config ids in deploy order (all workers)
+    deploy_timings: list[dict[str, Any]] = field(default_factory=list)  # DeployTiming.to_dict(), restore too
     service_used: bool = False
     restore: dict[str, Any] | None = None  # the shape bench.report.restore_line reads
     floor_updates: Table = field(default_factory=dict)
@@ -35,13 +36,15 @@ class SuiteState:
 
     def to_wire(self) -> dict[str, Any]:
         """The part an xdist worker sends to the controller (JSON-able)."""
-        return {"deploys": self.deploys, "service_used": self.service_used, "restore": self.restore,
+        return {"deploys": self.deploys, "deploy_timings": self.deploy_timings,
+                "service_used": self.service_used, "restore": self.restore,
                 "floor_updates": self.floor_updates, "no_floor": self.no_floor, "resumed": self.resumed,
                 "floor_probe": self.floor_probe, "verdict_notes": self.verdict_notes}
 
     def absorb(self, wire: dict[str, Any]) -> None:
         self.workers.append(wire)
         self.deploys += wire.get("deploys", [])
+        self.deploy_timings += wire.get("deploy_timings", [])
         self.service_used |= bool(wire.get("service_used"))
         self.no_floor += wire.get("no_floor", [])
         self.resumed += wire.get("resumed", [])

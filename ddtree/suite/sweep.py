@@ -1,11 +1,12 @@
 """One sweep cell, measured and judged: what tests/perf/test_sweep.py runs for every grid cell.
 
 Per cell: warm-up requests (not counted), then `repeats` rounds of `requests_per_cell` prompts of
-exactly `context` tokens at the cell's concurrency (ignore_eos, fixed max_new_tokens), with a pace
-reading before the first repeat and after each. The cell file is written atomically before any
-verdict, so an interrupted or failing sweep keeps it. The verdicts (ddtree.suite.verdict) compare
-pace-normalised tok/s and acceptance with the cell's floor, then, after a config's last cell, the
-medians over its cells of tok/s and speed-up over AR with theirs.
+exactly `context` tokens at the cell's concurrency, or at Poisson arrival times for a rate cell
+(ignore_eos, fixed max_new_tokens; ddtree.bench.cell_load), with a pace reading before the first
+repeat and after each. Each repeat is judged against the grid's SLOs (reported, never failed). The
+cell file is written atomically before any verdict, so an interrupted or failing sweep keeps it. The
+verdicts (ddtree.suite.verdict) compare pace-normalised tok/s and acceptance with the cell's floor,
+then, with a config's last cell, the medians over its cells of tok/s and speed-up over AR with theirs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ddtree.bench.cell_load import cell_extras, client_extras, repeat_extras, send_repeat, warmup_concurrency
 from ddtree.bench.loadgen import client_pool, run_load
 from ddtree.bench.metrics import records_duration_s, summarize_repeat
 from ddtree.bench.normalise import add_pace
@@ -44,7 +46,7 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
     started = now_iso()
 
     if grid.warmup_requests:  # compiles, caches and allocator growth stay out of the numbers
-        warm = run_load(base_url, prompts[: grid.warmup_requests], cell.concurrency, **load)
+        warm = run_load(base_url, prompts[: grid.warmup_requests], warmup_concurrency(cell), **load)
         failed = [r.error for r in warm if not r.ok]
         assert not failed, f"{cell.id}: warm-up requests failed: {failed[:3]}"
 
@@ -52,12 +54,13 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
     repeats = []
     for i in range(grid.repeats):
         start = grid.warmup_requests + i * per_repeat_count
-        records = run_load(base_url, prompts[start : start + per_repeat_count], cell.concurrency, **load)
+        records = send_repeat(base_url, prompts[start : start + per_repeat_count], cell, grid, i, load)
         errors = [r.error for r in records if not r.ok]
         if errors:  # a cell with failed requests is an error, never a number
             raise AssertionError(f"{cell.id}: {len(errors)}/{len(records)} requests failed in repeat {i + 1}: "
                                  f"{errors[:3]}")
-        repeats.append(summarize_repeat(records, records_duration_s(records)))
+        duration = records_duration_s(records)
+        repeats.append({**summarize_repeat(records, duration), **repeat_extras(records, duration, cell, grid)})
         readings.append(pace.read(f"{cell.id} after repeat {i + 1}"))
 
     pace_record = cell_pace(readings)
@@ -66,8 +69,10 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
         per_repeat=repeats, backend=deployed.backend.name, started_at=started, pace=pace_record,
         client={"max_new_tokens": grid.max_new_tokens, "requests_per_cell": per_repeat_count,
                 "warmup_requests": grid.warmup_requests, "ignore_eos": True, "temperature": 0.0,
-                "client_processes": suite.client_processes},
+                "client_processes": suite.client_processes, **client_extras(cell, grid)},
+        request_rate=cell.request_rate,
     )
+    result.metrics.update(cell_extras(repeats, grid))
     add_pace(result.per_repeat, result.metrics, pace_record)
     if cell.config_id != AR_CONFIG_ID:
         speedup = speedup_over_ar(result.metrics, ar_metrics(suite, cell))
@@ -78,8 +83,8 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
 
 
 def ar_metrics(suite: SuiteOptions, cell: Cell) -> dict[str, Any] | None:
-    """AR's metrics at the cell's context and concurrency in this run (AR deploys first), or None."""
-    path = suite.results_dir / CELLS_DIR / cell_filename(AR_CONFIG_ID, cell.context, cell.concurrency)
+    """AR's metrics at the cell's context and load in this run (AR deploys first), or None."""
+    path = suite.results_dir / CELLS_DIR / cell_filename(AR_CONFIG_ID, cell.context, cell.concurrency, cell.request_rate)
     if not path.is_file():
         return None
     return dict(json.loads(path.read_text(encoding="utf-8")).get("metrics") or {})
@@ -107,7 +112,7 @@ def judge(config: pytest.Config, suite: SuiteOptions, cell: Cell, result: CellRe
             failures.append(f"{cell.id}: no floor in {suite.floors.profile} ({suite.floors.path}) and --require-floors "
                             f"is set; record one with --update-floors")
     else:
-        where = f"{cell.config_id} @ ctx{cell.context} c{cell.concurrency}"
+        where = f"{cell.config_id} @ ctx{cell.context} {cell.load}"
         state.config_cells.setdefault(cell.config_id, []).append((cell.id, measured, floor))
         verdict = judge_cell(measured, floor, tolerances, suite.floors.probe, where)
         _note(state, verdict.notes, cell.id)

@@ -106,12 +106,6 @@ def _judge_throughput(measured: Mapping[str, Any], floor: Mapping[str, float], t
             f"({floor_tps:.1f} tok/s at pace {float(floor_pace):.3f}) x (1-{tolerance:g}), {where}")
 
 
-def ar_reference(cells_by_key: Mapping[tuple[str, int, int], Mapping[str, Any]], context: int,
-                 concurrency: int) -> Mapping[str, Any] | None:
-    """AR's metrics at (context, concurrency) from this run's cells, or None when AR was not measured there."""
-    return cells_by_key.get((AR_CONFIG_ID, context, concurrency))
-
-
 def throughput_ratio(measured: Mapping[str, Any], floor: Mapping[str, float], floors_probe: str | None) -> float | None:
     """The cell's tok/s against its floor's: pace-normalised where both sides have one probe's pace."""
     tps, floor_tps = measured.get("output_throughput"), floor.get("output_throughput")

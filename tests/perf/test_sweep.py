@@ -1,6 +1,6 @@
-"""The sweep: one test per grid cell (config x context x concurrency), measured against its floor.
+"""The sweep: one test per grid cell (config x context x load), measured against its floor.
 
-    pytest -m perf --config-grid smoke        # ids like b8-k4-w2048-bs8-ctx60-c1
+    pytest -m perf --config-grid smoke        # ids like b8-k4-w2048-bs8-ctx60-c1 (-r2: 2 requests/s)
 
 How a cell is measured and judged is ddtree.suite.sweep's (pace-normalised throughput, acceptance;
 docs/results.md, "How a verdict is computed"); a config's last cell also carries its config's verdict,

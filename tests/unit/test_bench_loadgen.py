@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import socket
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ddtree.bench import loadgen
-from ddtree.bench.loadgen import RequestRecord, run_load, run_requests
+from ddtree.bench.arrivals import arrival_stats, poisson_offsets
+from ddtree.bench.loadgen import RequestRecord, run_arrivals, run_load, run_requests
 from ddtree.errors import ConfigError
 from tests.unit.threaded_uvicorn import uvicorn_in_thread
 
@@ -343,3 +345,25 @@ def test_the_client_runs_on_uvloop_where_installed() -> None:
         return type(asyncio.get_running_loop())
 
     assert issubclass(loadgen.run_client(loop_type()), uvloop.Loop)
+
+
+def test_open_loop_sends_on_schedule_whatever_is_in_flight(server: tuple[str, FakeState]) -> None:
+    """Each request leaves at its Poisson arrival time: the achieved rate is the schedule's, and requests
+    that outlast the gaps overlap (a closed loop at concurrency 1 would have one in flight)."""
+    url, state = server
+    offsets = poisson_offsets(60.0, 60, seed=3)
+    records = run_arrivals(url, [[i + 1, 2] for i in range(60)], offsets, max_new_tokens=4, stream=False, timeout_s=20)
+    assert all(r.ok for r in records), [r.error for r in records]
+    stats = arrival_stats(records, 60.0)
+    # the client sends on time: within 10 % of the rate its seeded schedule asked for
+    assert stats["achieved_request_rate"] == pytest.approx(stats["scheduled_request_rate"], rel=0.10)
+    lags = [r.started_at - (r.scheduled_at or 0.0) for r in records]
+    assert min(lags) > -0.005 and statistics.median(lags) < 0.02, lags  # never early, rarely late
+    assert state.max_in_flight > 1 and stats["max_in_flight"] > 1  # each request takes 30 ms; gaps ~17 ms
+
+
+def test_open_loop_checks_its_schedule() -> None:
+    with pytest.raises(ConfigError, match="2 arrival times for 3 prompts"):
+        run_arrivals("http://127.0.0.1:9", [[1]] * 3, [0.0, 1.0], max_new_tokens=1)
+    with pytest.raises(ConfigError, match="ascending"):
+        run_arrivals("http://127.0.0.1:9", [[1]] * 2, [1.0, 0.5], max_new_tokens=1)

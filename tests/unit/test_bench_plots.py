@@ -1,4 +1,4 @@
-"""Plots are written as non-empty PNGs, one pair per context, from the cell files."""
+"""Plots are written as non-empty PNGs, one set per context, from the cell files."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_plots_are_non_empty_pngs(tmp_path: Path) -> None:
             write_cell(tmp_path, cell("ar", context, c, 20.0 * c, None))
     paths = write_plots(tmp_path)
     names = sorted(p.name for p in paths)
-    assert names == ["budget_ctx1024.png", "budget_ctx128.png",
-                     "latency_ctx1024.png", "latency_ctx128.png"]
+    assert names == ["budget_ctx1024.png", "budget_ctx128.png", "latency_ctx1024.png", "latency_ctx128.png",
+                     "pareto_ctx1024.png", "pareto_ctx128.png"]
     for path in paths:
         assert path.parent == tmp_path / "plots"
         data = path.read_bytes()
@@ -45,4 +45,20 @@ def test_no_cells_no_plots(tmp_path: Path) -> None:
 def test_baselines_only(tmp_path: Path) -> None:
     cells = [cell("ar", 64, 1, 20.0, None), cell("dflash-wnone-bs4", 64, 1, 30.0, 2.0)]
     paths = write_plots(tmp_path, cells)
-    assert len(paths) == 2 and all(p.stat().st_size > 0 for p in paths)
+    assert len(paths) == 3 and all(p.stat().st_size > 0 for p in paths)
+
+
+def test_no_pareto_plot_without_a_median_tpot(tmp_path: Path) -> None:
+    """A service that does not stream has no TPOT: no point to put on a frontier, so no pareto plot."""
+    cells = [cell("ar", 64, 1, 20.0, None)]
+    cells[0].metrics["median_tpot_ms"] = None
+    names = sorted(p.name for p in write_plots(tmp_path, cells))
+    assert names == ["budget_ctx64.png", "latency_ctx64.png"]
+
+
+def test_rate_cells_plot_beside_concurrency_cells(tmp_path: Path) -> None:
+    cells = [cell("ar", 64, 1, 20.0, None), cell("ar", 64, 0, 30.0, None), cell("ar", 64, 0, 35.0, None)]
+    cells[1].request_rate, cells[2].request_rate = 0.5, 2.0
+    cells[1].metrics["median_tpot_ms"] = cells[2].metrics["median_tpot_ms"] = 40.0
+    paths = write_plots(tmp_path, cells)
+    assert len(paths) == 3 and all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)

@@ -67,3 +67,16 @@ def test_trend_plots_each_context_and_concurrency_over_runs_by_date(tmp_path: Pa
     # night-1 (x1.1), night-2 (x1.2), night-0 (x1.0), oldest first; acceptance in brackets
     assert "| b8-k4-w2048-bs8 | 110.0 (2.20) | 120.0 (2.20) | 100.0 (2.20) |" in text
     assert "| b8-k4-w2048-bs8 | - | 305.0 (2.60) | - |" in text  # measured by one run only
+
+
+def test_rate_cells_trend_apart_from_each_other_and_from_concurrency_cells(tmp_path: Path) -> None:
+    cells = [make_cell(DEFAULT, 60, 1, [100.0]), make_cell(DEFAULT, 60, 0, [50.0]), make_cell(DEFAULT, 60, 0, [80.0])]
+    cells[1].request_rate, cells[2].request_rate = 0.5, 4.0
+    run = write_run(tmp_path / "night", cells)
+    out = tmp_path / "trend"
+    assert main(["--trend", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["trend_ctx60_c1.png", "trend_ctx60_r0.5.png", "trend_ctx60_r4.png"]
+    text = (out / "trend.md").read_text()
+    assert text.index("## context 60, concurrency 1") < text.index("## context 60, 0.5 requests/s") \
+        < text.index("## context 60, 4 requests/s")
+    assert "| b8-k4-w2048-bs8 | 50.0 |" in text and "| b8-k4-w2048-bs8 | 80.0 |" in text

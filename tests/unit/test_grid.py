@@ -144,3 +144,38 @@ def test_auto_budget_parses_from_a_grid_file(tmp_path: Path) -> None:
     assert auto_default.configs[-1].id == "b4-k4-w2048-bs8", "a fixed entry over an auto default"
     with pytest.raises(ConfigError, match=r"configs\[0\]: max_budget: 99 is out of range"):
         parse_grid({**BASE, "configs": [{"budget": "auto", "max_budget": 99}]})
+
+
+def test_request_rates_sit_beside_concurrency_and_end_their_cell_ids_in_r(tmp_path: Path) -> None:
+    both = load_grid(write(tmp_path, {**BASE, "client": {**BASE["client"], "contexts": [60], "request_rates": [2, 0.5]}}))
+    assert both.request_rates == (2.0, 0.5) and both.concurrency == (1, 32) and both.arrival_seed == 0
+    ids = [c.id for c in cells(both, None)[0] if c.config_id == "ar"]
+    assert ids == ["ar-ctx60-c1", "ar-ctx60-c32", "ar-ctx60-r0.5", "ar-ctx60-r2"]
+    rate_cell = cells(both, None)[0][2]
+    assert (rate_cell.concurrency, rate_cell.request_rate, rate_cell.key) == (0, 0.5, "ctx60-r0.5")
+    only_rates = load_grid(write(tmp_path, {**BASE, "client": {"contexts": [60], "request_rates": 4, "arrival_seed": 9}}))
+    assert only_rates.concurrency == () and only_rates.request_rates == (4.0,) and only_rates.arrival_seed == 9
+    assert {c.load for c in cells(only_rates, None)[0]} == {"r4"}
+    assert load_grid(write(tmp_path, {**BASE, "client": {"contexts": [60]}})).concurrency == (1,)  # neither: c1
+
+
+@pytest.mark.parametrize(("client", "message"), [
+    ({"request_rates": [0]}, r"client.request_rates\[0\]: 0 must be a number of requests per second > 0"),
+    ({"request_rates": ["fast"]}, r"client.request_rates\[0\]: 'fast' must be a number"),
+    ({"request_rates": {"a": 1}}, r"client.request_rates: expected a list of requests per second"),
+    ({"arrival_seed": -1}, r"client.arrival_seed: -1 is out of range"),
+])
+def test_bad_rates_name_the_key(tmp_path: Path, client: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_grid(write(tmp_path, {**BASE, "client": {**BASE["client"], **client}}))
+
+
+def test_the_slo_block_is_parsed_and_checked_with_the_file_named(tmp_path: Path) -> None:
+    grid = load_grid(write(tmp_path, {**BASE, "slo": {"ttft_p99_ms": 2000, "tpot_p90_ms": 50}}))
+    assert grid.slo is not None and grid.slo.to_dict() == {"ttft_p99_ms": 2000, "tpot_p90_ms": 50,
+                                                           "attainment_target": 0.99}
+    assert load_grid(write(tmp_path, BASE)).slo is None
+    with pytest.raises(ConfigError, match=r"grid.yaml: slo: unknown key\(s\) \['ttft_ms'\]; allowed: ttft_median_ms"):
+        load_grid(write(tmp_path, {**BASE, "slo": {"ttft_ms": 5}}))
+    with pytest.raises(ConfigError, match=r"grid.yaml: slo.attainment_target: 0 is out of range"):
+        load_grid(write(tmp_path, {**BASE, "slo": {"ttft_p99_ms": 5, "attainment_target": 0}}))
