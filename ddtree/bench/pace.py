@@ -26,6 +26,10 @@ one-off stall inside the probe is not the machine's pace):
                        the others (engine -> HTTP process -> client). Processes that block and wake
                        are scheduled unlike a CPU hog: beside a busy neighbour the hog-like parts
                        above slow by up to twice as much as serving does, this part about as much
+          pipeline_loaded  the same with three bytes in flight, every process busy: concurrent
+                       requests. A busy neighbour on a 2-core VM speeds a lone request up (the
+                       vCPUs stay awake, waking a process costs less) and slows concurrent ones
+                       (they need the cores it takes): each kind of cell gets the pipeline it is
     cuda  interpreter  as on the CPU (the host drives every launch)
           launch       1000 launches of a one-element kernel, then a sync: launch latency
           gemm         bf16 [64, 4096] x [4096, 4096] products: small-batch GEMMs
@@ -35,7 +39,8 @@ The pace score is the weighted geometric mean over components of REFERENCE_MS / 
 on the reference machine (the 2-core CI VM on a quiet hour; an H200 for cuda), 0.5 when everything
 takes twice as long. On the CPU the pipeline weighs 0.7 and the three hog-like parts 0.1 each: they
 track the host's own speed (a slow hour slows every part alike), the pipeline also how the host
-treats the server's processes beside other work; on CUDA the four parts weigh alike. Only ratios of
+treats the server's processes beside other work; `score` takes the plain pipeline (cells at
+concurrency 1), `score_loaded` the loaded one (the others); on CUDA the four parts weigh alike. Only ratios of
 scores measured by the same probe (`probe` id) mean anything.
 
     python -m ddtree.bench.pace [--device cpu|cuda] [--json]     # one reading
@@ -57,12 +62,12 @@ from typing import Any
 
 import torch
 
-PROBE_VERSION = {"cpu": 3, "cuda": 2}  # bumped when a kind's workload or weights change: old paces stop comparing
-CHUNKS = 5
+PROBE_VERSION = {"cpu": 4, "cuda": 2}  # bumped when a kind's workload or weights change: old paces stop comparing
+CHUNKS = 3
 # ms per chunk of each component on the reference machines (quiet 2-core CI VM; H200), so a score of 1.0 is
 # that machine at its usual pace
 REFERENCE_MS = {
-    "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "pipeline": 17.0},
+    "cpu": {"interpreter": 14.0, "dispatch": 15.0, "gemm": 15.0, "pipeline": 20.0, "pipeline_loaded": 45.0},
     "cuda": {"interpreter": 14.0, "launch": 5.0, "gemm": 1.5, "hbm": 2.5},
 }
 WEIGHTS = {
@@ -123,6 +128,8 @@ class Pipeline:
     PYTHON_WORK = 2000  # loop iterations at the HTTP-like hop and here (~25 us)
     ENGINE_STEPS = 30  # tiny-op steps at the engine-like hop (~1 ms in all)
     TRIPS = 20
+    LOADED = 3  # bytes in flight for the loaded pipeline: one per process
+    LOADED_WORK = 30  # the Python hops' work per loaded byte, in PYTHON_WORKs (~0.8 ms, near the engine hop's)
 
     def __init__(self) -> None:
         pipes = [os.pipe() for _ in range(3)]  # 0: here -> engine, 1: engine -> http, 2: http -> here
@@ -140,17 +147,17 @@ class Pipeline:
             os.close(fd)
 
     @classmethod
-    def _python_work(cls) -> Callable[[], None]:
-        def work() -> None:
-            spin(cls.PYTHON_WORK)
+    def _python_work(cls) -> Callable[[bytes], None]:
+        def work(data: bytes) -> None:
+            spin(cls.PYTHON_WORK * (cls.LOADED_WORK if data == b"L" else 1))
         return work
 
     @classmethod
-    def _engine_work(cls) -> Callable[[], None]:
+    def _engine_work(cls) -> Callable[[bytes], None]:
         x, w = torch.randn(4, 256), torch.randn(256)
         head = torch.randn(256, 4096)
 
-        def work() -> None:
+        def work(data: bytes) -> None:
             y = x
             for _ in range(cls.ENGINE_STEPS):
                 y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w).tanh()
@@ -158,19 +165,30 @@ class Pipeline:
         return work
 
     @staticmethod
-    def _hop(read_fd: int, write_fd: int, work: Callable[[], None]) -> None:
+    def _hop(read_fd: int, write_fd: int, work: Callable[[bytes], None]) -> None:
         while True:
-            data = os.read(read_fd, 64)
+            data = os.read(read_fd, 1)  # one byte, one token's work
             if not data:
                 os._exit(0)
-            work()
+            work(data)
             os.write(write_fd, data)
 
-    def chunk(self) -> None:
-        for _ in range(self.TRIPS):
-            spin(self.PYTHON_WORK)
-            os.write(self.send, b"x")
-            os.read(self.receive, 64)
+    def chunk(self, in_flight: int = 1) -> None:
+        """TRIPS bytes round the ring, `in_flight` of them at a time: 1 is a lone request's token, each hop
+        waking the next; LOADED bytes ("L": the Python hops do LOADED_WORK times their work, as the HTTP
+        process and the client do for concurrent streams) keep every process busy."""
+        token, work = (b"L", self.PYTHON_WORK * self.LOADED_WORK) if in_flight > 1 else (b"x", self.PYTHON_WORK)
+        for _ in range(in_flight):
+            os.write(self.send, token)
+        for _ in range(self.TRIPS - in_flight):
+            os.read(self.receive, 1)
+            spin(work)
+            os.write(self.send, token)
+        for _ in range(in_flight):
+            os.read(self.receive, 1)
+
+    def loaded_chunk(self) -> None:
+        self.chunk(self.LOADED)
 
     def close(self) -> None:
         os.close(self.send)  # the engine hop reads EOF and exits, which closes the next hop's input
@@ -221,7 +239,7 @@ def workloads(device: str, pipeline: Pipeline | None) -> dict[str, Callable[[], 
         return {"interpreter": interpreter_chunk, **make_cuda_parts(torch.device(device))}
     assert pipeline is not None
     return {"interpreter": interpreter_chunk, "dispatch": make_dispatch(torch.device("cpu")), "gemm": make_cpu_gemm(),
-            "pipeline": pipeline.chunk}
+            "pipeline": pipeline.chunk, "pipeline_loaded": pipeline.loaded_chunk}
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -236,10 +254,14 @@ def time_chunks(chunk: Callable[[], None], chunks: int = CHUNKS) -> float:
     return statistics.median(times)
 
 
-def score_of(kind: str, components_ms: dict[str, float]) -> float:
-    """Weighted geometric mean of reference / measured over the components (1.0 = the reference machine)."""
+def score_of(kind: str, components_ms: dict[str, float], loaded: bool = False) -> float:
+    """Weighted geometric mean of reference / measured over the components (1.0 = the reference machine);
+    `loaded` weighs the loaded pipeline where the plain one would be (WEIGHTS)."""
     reference, weights = REFERENCE_MS[kind], WEIGHTS[kind]
-    parts = [(weights[name], math.log(reference[name] / ms)) for name, ms in components_ms.items() if ms > 0]
+    if loaded and "pipeline_loaded" in components_ms:
+        weights = {("pipeline_loaded" if k == "pipeline" else k): w for k, w in weights.items()}
+    parts = [(weights[name], math.log(reference[name] / ms)) for name, ms in components_ms.items()
+             if ms > 0 and name in weights]
     return math.exp(sum(w * x for w, x in parts) / sum(w for w, _ in parts))
 
 
@@ -261,9 +283,12 @@ class Probe:
             self.pipeline.close()
 
     def measure(self) -> dict[str, Any]:
+        """`score` for one request in flight, `score_loaded` for several (the cells at concurrency > 1 and
+        the rate cells); on CUDA the two are one."""
         start = time.perf_counter()
         components = {name: round(time_chunks(chunk), 4) for name, chunk in self.parts.items()}
         return {"probe": probe_id(self.device), "score": round(score_of(self.kind, components), 4),
+                "score_loaded": round(score_of(self.kind, components, loaded=True), 4),
                 "components_ms": components, "seconds": round(time.perf_counter() - start, 3),
                 "at": datetime.now(UTC).isoformat(timespec="seconds")}
 

@@ -144,13 +144,15 @@ def geometric_mean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def cell_pace(readings: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+def cell_pace(readings: Sequence[dict[str, Any] | None], loaded: bool = False) -> dict[str, Any] | None:
     """A cell's pace record from the readings taken between its repeats (before the first, after
-    each): per repeat the geometric mean of the readings either side of it. None when any is missing."""
+    each): per repeat the geometric mean of the readings either side of it. `loaded`: the readings'
+    `score_loaded` (a cell with several requests in flight), else `score`. None when any is missing."""
     if len(readings) < 2 or any(r is None for r in readings):
         return None
-    scores = [float(r["score"]) for r in readings]  # type: ignore[index]
+    key = "score_loaded" if loaded else "score"
+    scores = [float(r.get(key, r["score"])) for r in readings]  # type: ignore[union-attr]
     per_repeat = [math.sqrt(a * b) for a, b in zip(scores, scores[1:])]
     return {"probe": readings[0]["probe"], "where": readings[0].get("where"),  # type: ignore[index]
-            "score": round(geometric_mean(scores), 4), "readings": [round(s, 4) for s in scores],
+            "score_key": key, "score": round(geometric_mean(scores), 4), "readings": [round(s, 4) for s in scores],
             "per_repeat": [round(p, 4) for p in per_repeat]}

@@ -63,7 +63,7 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
         repeats.append({**summarize_repeat(records, duration), **repeat_extras(records, duration, cell, grid)})
         readings.append(pace.read(f"{cell.id} after repeat {i + 1}"))
 
-    pace_record = cell_pace(readings)
+    pace_record = cell_pace(readings, loaded=cell.concurrency != 1)  # rate cells: loaded too
     result = CellResult.build(
         config_id=cell.config_id, spec=cell.spec.to_dict(), context=cell.context, concurrency=cell.concurrency,
         per_repeat=repeats, backend=deployed.backend.name, started_at=started, pace=pace_record,

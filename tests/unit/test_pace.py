@@ -14,7 +14,7 @@ import pytest
 from ddtree.bench import pace
 from ddtree.suite.pace import PaceLog, PaceProbe, PaceUnavailable, cell_pace, local_argv, standalone_argv
 
-CPU_COMPONENTS = {"interpreter", "dispatch", "gemm", "pipeline"}
+CPU_COMPONENTS = {"interpreter", "dispatch", "gemm", "pipeline", "pipeline_loaded"}
 
 
 def test_the_probe_uses_torch_and_the_standard_library_only() -> None:
@@ -36,6 +36,9 @@ def test_the_score_is_the_weighted_geometric_mean_of_reference_over_measured(fac
     assert pace.score_of("cpu", slow_pipeline) == pytest.approx(4 ** -0.7)  # the pipeline weighs 0.7
     slow_python = dict(pace.REFERENCE_MS["cpu"], interpreter=pace.REFERENCE_MS["cpu"]["interpreter"] * 4)
     assert pace.score_of("cpu", slow_python) == pytest.approx(4 ** -0.1)  # a hog-like part 0.1
+    loaded = dict(pace.REFERENCE_MS["cpu"], pipeline_loaded=pace.REFERENCE_MS["cpu"]["pipeline_loaded"] * 4)
+    assert pace.score_of("cpu", loaded) == pytest.approx(1.0)  # one request's score ignores the loaded pipeline
+    assert pace.score_of("cpu", loaded, loaded=True) == pytest.approx(4 ** -0.7)  # and the loaded score the plain one
     slow_gemm = dict(pace.REFERENCE_MS["cuda"], gemm=pace.REFERENCE_MS["cuda"]["gemm"] * 16)
     assert pace.score_of("cuda", slow_gemm) == pytest.approx(0.5)  # a quarter on CUDA: 16^(1/4) = 2
 
@@ -47,8 +50,9 @@ def test_a_reading_times_every_component_and_the_pipeline_hops_die_with_the_prob
         pids = list(probe.pipeline.pids)  # type: ignore[union-attr]
     finally:
         probe.close()
-    assert reading["probe"] == "cpu-v3" and set(reading["components_ms"]) == CPU_COMPONENTS
+    assert reading["probe"] == "cpu-v4" and set(reading["components_ms"]) == CPU_COMPONENTS
     assert all(ms > 0 for ms in reading["components_ms"].values()) and reading["score"] > 0
+    assert reading["score_loaded"] > 0
     assert reading["seconds"] < 10
     for pid in pids:  # reaped by close(): no such process any more
         with pytest.raises(ProcessLookupError):
@@ -89,11 +93,13 @@ def test_a_missing_program_is_a_clear_error() -> None:
 
 
 def test_each_repeat_takes_the_geometric_mean_of_the_readings_either_side() -> None:
-    readings = [{"probe": "cpu-v1", "score": s, "where": "this machine"} for s in (1.0, 0.25, 0.5)]
+    readings = [{"probe": "cpu-v1", "score": s, "score_loaded": 2 * s, "where": "this machine"} for s in (1.0, 0.25, 0.5)]
     record = cell_pace(readings)
     assert record is not None
     assert record["per_repeat"] == [0.5, pytest.approx(math.sqrt(0.125), abs=1e-4)]
     assert record["score"] == pytest.approx(0.5, abs=1e-4) and record["probe"] == "cpu-v1"
+    loaded = cell_pace(readings, loaded=True)  # a cell with several requests in flight
+    assert loaded is not None and loaded["score_key"] == "score_loaded" and loaded["per_repeat"][0] == 1.0
     assert cell_pace([readings[0], None]) is None and cell_pace(readings[:1]) is None
 
 

@@ -122,9 +122,9 @@ def test_require_floors_fails_cells_without_one_and_the_summary_lists_them(suite
     ])
     summary = (suite_dir.path / "results" / "sweep_summary.md").read_text()
     assert "- No floor (3 cells, failed (--require-floors)): ar-ctx8-c2, b4-k4-w2048-bs8-ctx8-c1" in summary
-    assert "## Pace and verdicts" in summary and "- Pace (cpu-v3, measured on this machine): median" in summary
+    assert "## Pace and verdicts" in summary and "- Pace (cpu-v4, measured on this machine): median" in summary
     cell = json.loads((suite_dir.path / "results" / "cells" / "b4-k4-w2048-bs8__ctx8__c1.json").read_text())
-    assert cell["pace"]["probe"] == "cpu-v3" and len(cell["pace"]["readings"]) == 2  # before and after its 1 repeat
+    assert cell["pace"]["probe"] == "cpu-v4" and len(cell["pace"]["readings"]) == 2  # before and after its 1 repeat
     assert cell["metrics"]["speedup_vs_ar"] > 0 and cell["metrics"]["pace_normalized_throughput"] > 0
     without = run(suite_dir, "-m", "perf", "--floors", str(floors))
     without.assert_outcomes(passed=4)
