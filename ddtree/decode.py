@@ -1,6 +1,6 @@
 """DecodeBatch: continuous batching over a fixed number of slots, and the decode round (token ids only).
 
-One round for every running request at once (DESIGN section 2):
+One round for every running request at once (docs/architecture.md, "The DDTree round"):
 
     1. draft     the DFlash drafter runs on [bonus, MASK...] and yields L = block_size - 1 marginals
     2. build     build_trees: the best `budget` paths by drafter log-probability (a chain for DFLASH)

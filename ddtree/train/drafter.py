@@ -1,4 +1,4 @@
-"""Training the fixture DFlash drafter on the frozen fixture target (DESIGN section 2).
+"""Training the fixture DFlash drafter on the frozen fixture target (docs/architecture.md, "The DDTree round").
 
 Each sequence gets random anchors; the block at anchor a is [token a, MASK x (block-1)], sees the
 target's tapped hidden states at positions a - window <= p < a, and is scored by cross-entropy at
