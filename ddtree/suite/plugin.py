@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import statistics
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,9 +113,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadgroup = True  # workers re-parse the args, which may lack --dist
     options = parse_options(config, results_dir)
     config.stash[OPTIONS_KEY] = options
+    stop_on_sigterm()
     config.stash[STATE_KEY] = SuiteState(Expansion.of(options.grid, options.max_context))
     if not config.pluginmanager.has_plugin(FIXTURES_MODULE):
         config.pluginmanager.import_plugin(FIXTURES_MODULE)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a CI job's timeout, `kill`, a systemd stop) ends the run as Ctrl-C does: the session
+    fixtures tear down, so the default is restored and verified and a local service is stopped. Left
+    alone when another handler is installed."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 # -- xdist (optional hooks: absent without the xdist plugin) ----------------------------------------

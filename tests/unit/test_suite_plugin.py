@@ -261,7 +261,8 @@ def test_hangs(cell, deployed):
 '''
 
 
-def test_ctrl_c_restores_and_verifies_the_default(suite_dir: pytest.Pytester) -> None:
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="ctrl-c"), pytest.param(signal.SIGTERM, id="sigterm")])
+def test_ctrl_c_restores_and_verifies_the_default(suite_dir: pytest.Pytester, signum: int) -> None:
     (suite_dir.path / "tests/perf/test_sweep.py").unlink()
     suite_dir.makepyfile(test_hang=INTERRUPTIBLE)
     write_grid(suite_dir, {**GRID, "configs": [{"algorithm": "NONE"}]})
@@ -280,7 +281,7 @@ def test_ctrl_c_restores_and_verifies_the_default(suite_dir: pytest.Pytester) ->
         else:
             pytest.fail("the inner run never deployed ar:\n" + "".join(lines))
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
