@@ -249,20 +249,27 @@ def write_summary_csv(results_dir: str | Path) -> Path:
     return path
 
 
-def write_restore(results_dir: str | Path, restore: dict[str, Any]) -> Path:
-    path = Path(results_dir) / RESTORE_JSON
-    atomic_write_text(path, json.dumps(restore, indent=2, sort_keys=True) + "\n")
+def write_json_object(path: Path, record: dict[str, Any]) -> Path:
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return path
 
 
-def read_restore(results_dir: str | Path) -> dict[str, Any] | None:
-    path = Path(results_dir) / RESTORE_JSON
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A run's one-object JSON file (restore.json, verdicts.json), or None when it is not there."""
     if not path.is_file():
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def write_restore(results_dir: str | Path, restore: dict[str, Any]) -> Path:
+    return write_json_object(Path(results_dir) / RESTORE_JSON, restore)
+
+
+def read_restore(results_dir: str | Path) -> dict[str, Any] | None:
+    return read_json_object(Path(results_dir) / RESTORE_JSON)
 
 
 def read_quality(results_dir: str | Path) -> dict[str, dict[str, Any]]:

@@ -9,29 +9,22 @@ rest of the summary.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.results import CellResult, atomic_write_text, read_pace_logs
+from ddtree.bench.results import CellResult, read_json_object, read_pace_logs, write_json_object
 
 VERDICTS_JSON = "verdicts.json"
 
 
 def write_verdicts(results_dir: str | Path, record: dict[str, Any]) -> Path:
-    path = Path(results_dir) / VERDICTS_JSON
-    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
-    return path
+    return write_json_object(Path(results_dir) / VERDICTS_JSON, record)
 
 
 def read_verdicts(results_dir: str | Path) -> dict[str, Any] | None:
-    path = Path(results_dir) / VERDICTS_JSON
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else None
+    return read_json_object(Path(results_dir) / VERDICTS_JSON)
 
 
 def pace_range(scores: Sequence[float]) -> str:
