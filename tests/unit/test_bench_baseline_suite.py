@@ -11,12 +11,12 @@ plumbing (options, latest, the run's verdict, baseline.json, the summary, the te
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from ddtree.suite.baseline import SECTION
+from tests.unit.suite_copy import copy_suite
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = ["-p", "no:cacheprovider", "--service", "fake", "--device", "cpu", "--startup-timeout", "30",
@@ -27,12 +27,7 @@ SMOKE_CELLS = 16  # fixtures/grids/smoke.yaml: 4 configs x 2 contexts x 2 concur
 @pytest.fixture
 def suite_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """A directory with the real root conftest and the real sweep test."""
-    for name in [n for n in os.environ if n.startswith("DDTREE_FAKE_")]:
-        monkeypatch.delenv(name)
-    pytester.makeconftest((REPO / "conftest.py").read_text())
-    perf = pytester.mkdir("tests").joinpath("perf")
-    perf.mkdir()
-    (perf / "test_sweep.py").write_text((REPO / "tests/perf/test_sweep.py").read_text())
+    copy_suite(pytester, monkeypatch)
     return pytester
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.unit.suite_copy import copy_suite
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = ["-p", "no:cacheprovider", "--service", "fake", "--device", "cpu", "--startup-timeout", "30"]
@@ -27,12 +28,7 @@ GRID = {
 @pytest.fixture
 def suite_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """The real root conftest and sweep test, and the grid at `my grids/slo grid.yaml`."""
-    for name in [n for n in os.environ if n.startswith("DDTREE_FAKE_")]:
-        monkeypatch.delenv(name)
-    pytester.makeconftest((REPO / "conftest.py").read_text())
-    perf = pytester.mkdir("tests").joinpath("perf")
-    perf.mkdir()
-    (perf / "test_sweep.py").write_text((REPO / "tests/perf/test_sweep.py").read_text())
+    copy_suite(pytester, monkeypatch)
     grid = pytester.path / "my grids" / "slo grid.yaml"
     grid.parent.mkdir()
     grid.write_text(yaml.safe_dump(GRID))

@@ -8,7 +8,6 @@ a small grid file, then checks the exit code and the output lines.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from ddtree.suite.plugin import OPT_IN_NOTE, SUMMARY_TITLE
+from tests.unit.suite_copy import copy_suite
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = ["-p", "no:cacheprovider", "--service", "fake", "--device", "cpu", "--startup-timeout", "30"]
@@ -35,12 +35,7 @@ GRID = {
 @pytest.fixture
 def suite_dir(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """A directory with the real root conftest, the real sweep test and grid.yaml."""
-    for name in [n for n in os.environ if n.startswith("DDTREE_FAKE_")]:
-        monkeypatch.delenv(name)
-    pytester.makeconftest((REPO / "conftest.py").read_text())
-    perf = pytester.mkdir("tests").joinpath("perf")
-    perf.mkdir()
-    (perf / "test_sweep.py").write_text((REPO / "tests/perf/test_sweep.py").read_text())
+    copy_suite(pytester, monkeypatch)
     write_grid(pytester, GRID)
     return pytester
 
