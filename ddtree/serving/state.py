@@ -17,20 +17,21 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddtree import __version__
 from ddtree.config import SpecConfig
-from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
+from ddtree.request import Request, StepOutput
 from ddtree.serving.args import ServerArgs
 from ddtree.serving.engine_client import EngineInfo, EngineProcess
-from ddtree.serving.engine_worker import open_scheduler
 from ddtree.serving.metrics import ServerMetrics
-from ddtree.serving.scheduler import DecodeBatchLike, Scheduler
 from ddtree.serving.validation import Limits, new_rid
 from ddtree.serving.wire import Event, Failure, Sink
 from ddtree.text import TextCodec
+
+if TYPE_CHECKING:  # the scheduler imports torch: this process imports it only when it runs the engine itself
+    from ddtree.serving.scheduler import DecodeBatchLike, Scheduler
 
 log = logging.getLogger("ddtree.server")
 
@@ -220,9 +221,12 @@ class ServerState:
         self.limits = Limits(self.context_length, engine.vocab_size, codec)
         self._loop: asyncio.AbstractEventLoop | None = None
         if scheduler is None:
+            # the engine runs on a thread of this process (an engine object handed to create_app)
+            from ddtree.serving.engine_worker import open_scheduler
+
             metrics = ServerMetrics()
             self.scheduler: Scheduler | EngineProcess = open_scheduler(
-                engine, self.context_length, metrics, self._deliver, spec=spec, args=args)  # type: ignore[arg-type]
+                engine, self.context_length, metrics, self._deliver, spec=spec, args=args)
             self.metrics = metrics
         else:
             self.scheduler = scheduler

@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ddtree.engine import Request
 from ddtree.errors import RequestError
+from ddtree.request import Request
 from ddtree.text import TextCodec
 
 M = TypeVar("M", bound=BaseModel)
