@@ -97,34 +97,6 @@ class Progress:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def finish_dict(self, eos_token_id: int | None) -> dict[str, Any] | None:
-        reason = self.finish_reason
-        if reason is None:
-            return None
-        if reason == "length":
-            return {"type": "length", "length": len(self.output_ids)}
-        if reason == "stop":
-            matched = self.output_ids[-1] if self.output_ids else eos_token_id
-            return {"type": "stop", "matched": matched}
-        return {"type": reason, "message": "request aborted"}
-
-    def meta_info(self, eos_token_id: int | None) -> dict[str, Any]:
-        completion = len(self.output_ids)
-        verify = self.verify_steps
-        return {
-            "id": self.request.request_id,
-            "prompt_tokens": len(self.request.prompt_ids),
-            "completion_tokens": completion,
-            "cached_tokens": 0,
-            "finish_reason": self.finish_dict(eos_token_id),
-            "e2e_latency": time.perf_counter() - self.started,
-            "first_token_latency": self.first_token_latency,
-            "spec_verify_ct": verify,
-            "spec_accept_length": completion / verify if verify else 0.0,
-            "spec_accept_histogram": list(self.accept_histogram),
-            "spec_num_correct_drafts": self.correct_drafts,
-        }
-
 
 class RequestStream:
     """The event-loop side of one request: `push` (on the loop) applies the scheduler's events.
