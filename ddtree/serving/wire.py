@@ -4,8 +4,8 @@
     engine -> HTTP:  Loaded(info) | StartFailed(exit_code, message) | Events(updates, metrics, status)
 
 Each message is a NamedTuple. On the pipe it is a plain tuple, `(code, *fields)`, pickled and framed with its
-length: pickling a NamedTuple itself writes its class's reference and calls its Python `__getnewargs__`
-(and `__new__` to load it), ~1.3 us more per Submit each way, ~1 us more per Events item. An Events frame
+length: pickling a NamedTuple itself writes its class's reference and calls its Python `__getnewargs__` (and
+`__new__` to load it), ~1.3 us more per Submit at each end and ~1 us more per Events item to pickle. An Events frame
 carries each request's rounds since the last frame as an `Update` (a StepOutput's fields as a list, merged
 where a request's rounds were held) or a Failure; `event` turns either into what the sinks take. Nothing
 here imports torch: the HTTP process imports this module, and the engine process before it loads a model.

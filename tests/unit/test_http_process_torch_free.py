@@ -47,8 +47,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 def test_the_served_http_process_maps_no_torch_and_its_engine_process_does(server: RunningServer) -> None:
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200  # both processes served
-    (engine,) = children(server.proc.pid)
-    assert mapped_torch(engine), "the engine process should have torch loaded (the check would see it)"
+    engines = children(server.proc.pid)
+    assert any(mapped_torch(pid) for pid in engines), "the engine process has torch (the check would see it)"
     assert mapped_torch(server.proc.pid) == [], "the HTTP process has torch mapped"
 
 
