@@ -33,9 +33,10 @@ from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.serving import stamps
 from ddtree.serving.api import ServingApp, install_routes
 from ddtree.serving.args import ServerArgs, build_parser, resolve_args
-from ddtree.serving.engine_process import EngineInfo, EngineProcess, EngineStartError, SchedulerFactory, freeze_heap
+from ddtree.serving.engine_client import EngineInfo, EngineProcess, EngineStartError
+from ddtree.serving.engine_worker import SchedulerFactory, freeze_heap, open_scheduler
 from ddtree.serving.polling import describe, polling_window
-from ddtree.serving.state import READY_LINE, EngineLike, ServerState, open_scheduler
+from ddtree.serving.state import READY_LINE, EngineLike, ServerState
 from ddtree.text import TextCodec, load_tokenizer
 
 __all__ = ["READY_LINE", "build_parser", "create_app", "init_line", "main"]

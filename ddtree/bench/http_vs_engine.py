@@ -157,7 +157,7 @@ def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
     measures the batch it serves in process (ddtree.bench.in_process.measuring)."""
     from ddtree.server import serve, setup_logging, start_engine
     from ddtree.serving.args import resolve_args
-    from ddtree.serving.state import open_scheduler
+    from ddtree.serving.engine_worker import open_scheduler
     from ddtree.text import load_tokenizer
 
     args = resolve_args(rest)

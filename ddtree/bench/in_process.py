@@ -34,7 +34,7 @@ from typing import Any
 from ddtree.bench.loadgen import RequestRecord
 from ddtree.bench.round_overhead import on_a_thread
 from ddtree.engine import Request, StepOutput
-from ddtree.serving.engine_process import freeze_heap
+from ddtree.serving.engine_worker import freeze_heap
 
 
 def sync(engine: Any) -> None:
@@ -136,7 +136,7 @@ def write_plan(path: Path, cells: Sequence[tuple[int, int, Sequence[Sequence[int
 
 
 def measuring(factory: Any, plan: Path) -> Any:
-    """A SchedulerFactory (ddtree.serving.engine_process) that opens the server's scheduler with `factory`, warms it
+    """A SchedulerFactory (ddtree.serving.engine_worker) that opens the server's scheduler with `factory`, warms it
     as it serves, runs each of `plan`'s cells once untimed (the captures they meet are made), and listens at the
     plan's address: each request (a cell's index) is one timed repeat, run with the scheduler paused. Runs in the
     engine process before it reports itself loaded, so what it raises stops the server with its message."""

@@ -47,7 +47,7 @@ from typing import Any
 
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError
-from ddtree.serving.engine_process import Relay, freeze_heap
+from ddtree.serving.engine_worker import Relay, freeze_heap
 from ddtree.serving.scheduler import BURST_GAP_S, BURST_WAIT_S, SWITCH_INTERVAL_S, Scheduler
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
@@ -180,8 +180,8 @@ def in_process(batch: Any, requests: list[Request]) -> dict[str, list[int]]:
 def frame_tokens(frames: list[Any], out: dict[str, list[int]]) -> dict[str, list[int]]:
     """Each request's tokens in the Relay's "events" frames (what the HTTP process would decode), into `out`."""
     for message in frames:
-        for item in message[1]:
-            if len(item) > 4:
+        for item in message.updates:
+            if isinstance(item, list):  # an Update, not a Failure
                 out.setdefault(item[0], []).extend(item[1])
     return out
 
@@ -191,7 +191,7 @@ def frame_tokens(frames: list[Any], out: dict[str, list[int]]) -> dict[str, list
 PIPE_READER = """
 import json, os, sys
 from ddtree.bench.round_overhead import frame_tokens
-from ddtree.serving.engine_process import FrameReader
+from ddtree.serving.wire import FrameReader
 reader, out = FrameReader(), {}
 print("ready", flush=True)
 while data := os.read(0, 1 << 20):
@@ -203,14 +203,14 @@ print(json.dumps(out), flush=True)
 def served(batch: Any, requests: list[Request], on_gpu: bool, to_pipe: bool = False) -> dict[str, list[int]]:
     """Through a Scheduler whose Relay writes its frames into a file (a write never waits for a reader) or,
     `to_pipe`, into a pipe read by another process; the tokens each request got, read back from the frames."""
-    from ddtree.serving.engine_process import FrameReader, _pipe
+    from ddtree.serving.wire import FrameReader, pipe
 
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     with tempfile.TemporaryFile() as sent:
         reader = None
         fd = sent.fileno()
         if to_pipe:
-            read_end, fd = _pipe()
+            read_end, fd = pipe()
             reader = subprocess.Popen([sys.executable, "-c", PIPE_READER], stdin=read_end, stdout=subprocess.PIPE,
                                       text=True)
             os.close(read_end)
@@ -243,7 +243,7 @@ def burst(batch: Any, requests: list[Request], spacing_s: float, gap_s: float, w
     a burst of HTTP arrivals), the scheduler gathering bursts with (gap_s, wait_s): how they were admitted
     (each prefill group's size and seconds), each request's TTFT (submit to first token handed out), the
     time from the first submit to the last first token and to the last finish, and the tokens."""
-    from ddtree.serving.engine_process import FrameReader
+    from ddtree.serving.wire import FrameReader
 
     groups: list[tuple[float, int, float]] = []  # (start, requests, seconds) per prefill
     add_many = batch.add_many

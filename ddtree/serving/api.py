@@ -34,7 +34,7 @@ from ddtree.serving.replies import (
     submit_all,
 )
 from ddtree.serving.state import ServerState
-from ddtree.serving.validation import _Strict, parse_generate, parse_json, split_known, tokenize, validate
+from ddtree.serving.validation import StrictBody, parse_generate, parse_json, split_known, tokenize, validate
 
 __all__ = ["ServingApp", "error_response", "install_routes"]
 
@@ -59,13 +59,13 @@ class ServingApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-class TokenizeBody(_Strict):
+class TokenizeBody(StrictBody):
     model: str | None = None
     prompt: str | list[str] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeBody(_Strict):
+class DetokenizeBody(StrictBody):
     model: str | None = None
     tokens: list[int] | list[list[int]] | None = None
     skip_special_tokens: bool = True

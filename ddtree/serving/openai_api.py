@@ -26,7 +26,7 @@ from ddtree.serving.validation import (
     Job,
     Limits,
     SamplingParams,
-    _Strict,
+    StrictBody,
     make_jobs,
     new_rid,
     split_known,
@@ -95,12 +95,12 @@ CHAT_METADATA = (*COMMON_METADATA, "metadata", "service_tier", "prompt_cache_key
                  "parallel_tool_calls", "separate_reasoning", "stream_reasoning")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # usage on every chunk
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictBody):
     """The sampling fields of both requests (OpenAI's names: max_tokens, min_tokens, seed)."""
 
     model: str | None = None

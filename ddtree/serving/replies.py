@@ -10,6 +10,7 @@ all of it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -249,11 +250,23 @@ class Reply:
         return list(getattr(self.progress, "output_logprobs", ()))[: len(self.ids)]
 
     def meta_info(self) -> dict[str, Any]:
-        meta = self.progress.meta_info(self._eos)
-        meta["completion_tokens"] = len(self.ids)
-        meta["finish_reason"] = self.finish_dict()
-        verify = meta["spec_verify_ct"]
-        meta["spec_accept_length"] = len(self.ids) / verify if verify else 0.0
+        """SGLang's meta_info: the engine's counts from the progress, the token counts of the reply's own ids
+        (a stop string may have cut them)."""
+        progress = self.progress
+        verify = progress.verify_steps
+        meta: dict[str, Any] = {
+            "id": progress.request.request_id,
+            "prompt_tokens": len(progress.request.prompt_ids),
+            "completion_tokens": len(self.ids),
+            "cached_tokens": 0,
+            "finish_reason": self.finish_dict(),
+            "e2e_latency": time.perf_counter() - progress.started,
+            "first_token_latency": progress.first_token_latency,
+            "spec_verify_ct": verify,
+            "spec_accept_length": len(self.ids) / verify if verify else 0.0,
+            "spec_accept_histogram": list(progress.accept_histogram),
+            "spec_num_correct_drafts": progress.correct_drafts,
+        }
         if self.job.output.logprobs:
             texts = [self.decode([t]) if self.job.output.text_in_logprobs else None for t in self.ids]
             meta["output_token_logprobs"] = [list(e) for e in zip(self.token_logprobs(), self.ids, texts)]

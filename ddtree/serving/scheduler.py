@@ -42,6 +42,7 @@ from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
 from ddtree.prefill import prefill_chunks
 from ddtree.serving.metrics import ServerMetrics
+from ddtree.serving.wire import Deliver, Event, Failure, Sink
 
 log = logging.getLogger("ddtree.server")
 
@@ -103,21 +104,6 @@ class Recorder(Protocol):
     def record_round(self, tokens: int, seconds: float) -> None: ...
     def record_outcome(self, outcome: str) -> None: ...
     def set_load(self, running: int, queued: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A request the batch refused or lost; the server turns it into a 4xx/5xx or an abort chunk."""
-
-    request_id: str
-    message: str
-    status_code: int = 400
-    field: str | None = None
-
-
-Event = StepOutput | Failure
-Sink = Callable[[Event], None]
-Deliver = Callable[[list[tuple[Sink, Event]]], None]  # one call per loop iteration: every (sink, event) of it
 
 
 def deliver_inline(items: list[tuple[Sink, Event]]) -> None:

@@ -1,7 +1,7 @@
 """One served model: the scheduler, the per-request streams back into asyncio, and the response fields.
 
 `ServerState` is what the routes talk to. Its scheduler runs in the engine process
-(ddtree.serving.engine_process, whose events arrive on the loop as its pipe is read) or, for an engine
+(ddtree.serving.engine_client, whose events arrive on the loop as its pipe is read) or, for an engine
 object handed to create_app, on a thread of this process (each round's events in one
 `loop.call_soon_threadsafe`). A `RequestStream` turns the events into an async iterator on the event loop
 and accumulates what the response reports: output ids, verify steps, accept lengths, the finish reason.
@@ -17,28 +17,21 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddtree import __version__
 from ddtree.config import SpecConfig
-from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
-from ddtree.serving import stamps
+from ddtree.request import Request, StepOutput
 from ddtree.serving.args import ServerArgs
-from ddtree.serving.engine_process import EngineInfo, EngineProcess
+from ddtree.serving.engine_client import EngineInfo, EngineProcess
 from ddtree.serving.metrics import ServerMetrics
-from ddtree.serving.scheduler import (
-    SWITCH_INTERVAL_S,
-    DecodeBatchLike,
-    Deliver,
-    Event,
-    Failure,
-    Recorder,
-    Scheduler,
-    Sink,
-)
 from ddtree.serving.validation import Limits, new_rid
+from ddtree.serving.wire import Event, Failure, Sink
 from ddtree.text import TextCodec
+
+if TYPE_CHECKING:  # the scheduler imports torch: this process imports it only when it runs the engine itself
+    from ddtree.serving.scheduler import DecodeBatchLike, Scheduler
 
 log = logging.getLogger("ddtree.server")
 
@@ -103,34 +96,6 @@ class Progress:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def finish_dict(self, eos_token_id: int | None) -> dict[str, Any] | None:
-        reason = self.finish_reason
-        if reason is None:
-            return None
-        if reason == "length":
-            return {"type": "length", "length": len(self.output_ids)}
-        if reason == "stop":
-            matched = self.output_ids[-1] if self.output_ids else eos_token_id
-            return {"type": "stop", "matched": matched}
-        return {"type": reason, "message": "request aborted"}
-
-    def meta_info(self, eos_token_id: int | None) -> dict[str, Any]:
-        completion = len(self.output_ids)
-        verify = self.verify_steps
-        return {
-            "id": self.request.request_id,
-            "prompt_tokens": len(self.request.prompt_ids),
-            "completion_tokens": completion,
-            "cached_tokens": 0,
-            "finish_reason": self.finish_dict(eos_token_id),
-            "e2e_latency": time.perf_counter() - self.started,
-            "first_token_latency": self.first_token_latency,
-            "spec_verify_ct": verify,
-            "spec_accept_length": completion / verify if verify else 0.0,
-            "spec_accept_histogram": list(self.accept_histogram),
-            "spec_num_correct_drafts": self.correct_drafts,
-        }
 
 
 class RequestStream:
@@ -228,9 +193,12 @@ class ServerState:
         self.limits = Limits(self.context_length, engine.vocab_size, codec)
         self._loop: asyncio.AbstractEventLoop | None = None
         if scheduler is None:
+            # the engine runs on a thread of this process (an engine object handed to create_app)
+            from ddtree.serving.engine_worker import open_scheduler
+
             metrics = ServerMetrics()
             self.scheduler: Scheduler | EngineProcess = open_scheduler(
-                engine, self.context_length, metrics, self._deliver, spec=spec, args=args)  # type: ignore[arg-type]
+                engine, self.context_length, metrics, self._deliver, spec=spec, args=args)
             self.metrics = metrics
         else:
             self.scheduler = scheduler
@@ -343,22 +311,6 @@ class ServerState:
         if budget is not None:  # the budget chosen per round
             info["internal_states"][0] |= {"last_spec_budget": budget[0], "avg_spec_budget": budget[1]}
         return info
-
-
-def open_scheduler(engine: EngineLike, context_length: int, metrics: Recorder, deliver: Deliver, *,
-                   spec: SpecConfig, args: ServerArgs) -> Scheduler:
-    """The batch the server serves and the Scheduler that runs it (in this process, or in the engine process)."""
-    # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
-    batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes,
-                              run_ahead=not args.disable_overlap_schedule)
-    if stamps.ON:  # python -m ddtree.bench.timeline: each request's prefill, last round and hand-out
-        batch, deliver = stamps.StampedBatch(batch), stamps.stamped_deliver(deliver)
-    warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
-    # A shorter GIL switch interval pays where a round waits on the GPU with the GIL released; on the
-    # CPU the round itself needs the GIL, and forced switches slowed the smoke sweep's cells by ~25%.
-    on_gpu = getattr(getattr(engine, "device", None), "type", None) == "cuda"
-    return Scheduler(batch, args.max_running_requests, metrics, deliver=deliver, warm_token=warm_token,
-                     switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None)
 
 
 def _push_all(items: list[tuple[Sink, Event]]) -> None:

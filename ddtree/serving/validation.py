@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ddtree.engine import Request
 from ddtree.errors import RequestError
+from ddtree.request import Request
 from ddtree.text import TextCodec
 
 M = TypeVar("M", bound=BaseModel)
@@ -122,12 +122,12 @@ GENERATE_NOOP: dict[str, tuple[Any, ...]] = {
 }
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     # strict: 1.5 is not an int and "5" is not a number; extra fields are caught before this
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class SamplingParams(_Strict):
+class SamplingParams(StrictBody):
     """The sampling fields ddtree implements, with SGLang's defaults (temperature 1.0, max_new_tokens 128)."""
 
     max_new_tokens: int | None = 128  # null: as many as the context leaves
@@ -147,7 +147,7 @@ class SamplingParams(_Strict):
     seed: int | None = None  # ddtree's older name for sampling_seed
 
 
-class GenerateBody(_Strict):
+class GenerateBody(StrictBody):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None

@@ -9,11 +9,11 @@ from functools import partial
 
 import pytest
 
-import ddtree.serving.engine_process as ep
 from ddtree.serving.args import resolve_args
+from ddtree.serving.engine_client import EngineProcess
+from ddtree.serving.engine_worker import open_scheduler
 from ddtree.serving.polling import POLL_MIN_CPUS, POLL_WINDOW_S, LoopPoller, PollWindow, describe, polling_window
-from ddtree.serving.state import open_scheduler
-from tests.unit.test_engine_process import FIXTURE_TARGET, Collector, _args, _emulated, _request
+from tests.unit.test_engine_client import FIXTURE_TARGET, Collector, _args, _emulated, _request
 
 
 @pytest.mark.parametrize(("sleep_on_idle", "cpus", "window"), [
@@ -83,7 +83,7 @@ def test_the_http_side_polls_while_requests_run_and_stops_after_the_window() -> 
     """A forked engine with polling on: the requests' events reach their sinks as without it, the loop turned
     while they ran, and it sleeps once the window after the last event has closed."""
     args = _args()
-    engine = ep.EngineProcess(_emulated, partial(open_scheduler, spec=args.spec, args=args), "warning",
+    engine = EngineProcess(_emulated, partial(open_scheduler, spec=args.spec, args=args), "warning",
                               poll_window_s=0.05)
     engine.wait_loaded(60)
 

@@ -154,30 +154,35 @@ def test_the_engine_process_queues_the_submits_of_one_read_together() -> None:
     import os
     import tempfile
 
-    from ddtree.serving import engine_process as ep
+    from ddtree.serving import engine_worker, wire
 
     batch = GroupBatch(round_s=0.0)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None)
     read, write = os.pipe()
     try:
-        frames = [("submit", request(rid), True, True) for rid in ("a", "b", "c")] + [("cancel", "b")]
+        frames: list[wire.Message] = [wire.Submit(request(rid), True, True) for rid in ("a", "b", "c")]
+        frames.append(wire.Cancel("b"))
         for message in frames:
-            ep.write_frame(write, message)
+            wire.write_frame(write, message)
         os.close(write)
-        batches = list(ep.read_batches(read))
+        batches = list(wire.read_batches(read))
     finally:
         os.close(read)
     assert batches == [frames]
     with tempfile.TemporaryFile() as sent:
-        relay = ep.Relay(sent.fileno())
-        ep._queue(sched, relay, [(m[1], ep._no_sink, m[2]) for m in frames[:3]])
-        ep._queue(sched, relay, [(request("a"), ep._no_sink, True)])  # already in flight: refused, on its own
+        relay = engine_worker.Relay(sent.fileno())
+        engine_worker.queue_arrivals(sched, relay, [(m.request, _drop, m.counted) for m in frames[:3]])
+        engine_worker.queue_arrivals(sched, relay, [(request("a"), _drop, True)])  # in flight: refused, on its own
         sent.seek(0)
-        (message,) = ep.FrameReader().feed(sent.read())
+        (message,) = wire.FrameReader().feed(sent.read())
     assert [t.request.request_id for t in sched._pending] == ["a", "b", "c"]
     assert [t.in_burst for t in sched._pending] == [False, True, True]
-    (failure,) = message[1]
-    assert failure[0] == "a" and "already in flight" in failure[1]
+    (failure,) = message.updates
+    assert failure.request_id == "a" and "already in flight" in failure.message
+
+
+def _drop(_: object) -> None:
+    """A sink: the engine process's events leave through its relay."""
 
 
 def test_the_emulated_prefill_costs_a_fixed_wait_per_forward_plus_its_padded_tokens() -> None:

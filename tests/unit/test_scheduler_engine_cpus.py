@@ -8,7 +8,7 @@ import os
 import pytest
 
 from ddtree.errors import ConfigError
-from ddtree.serving import engine_process as ep
+from ddtree.serving import engine_worker as ep
 
 
 def test_a_cpu_list_reads_as_taskset_reads_it() -> None:

@@ -1,6 +1,6 @@
-"""The engine process's request pipe as the scheduler's inbox (engine_process.RequestPipe): an idle scheduler
+"""The engine process's request pipe as the scheduler's inbox (engine_worker.RequestPipe): an idle scheduler
 thread reads and admits a submit itself; a busy one leaves the reading to the main thread (cancels and later
-arrivals still arrive while rounds run); "stop" and the pipe's EOF end both."""
+arrivals still arrive while rounds run); Stop and the pipe's EOF end both."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import threading
 import time
 from typing import Any
 
-from ddtree.serving import engine_process as ep
+from ddtree.serving import engine_worker as ep
 from ddtree.serving.scheduler import Scheduler
+from ddtree.serving.wire import Cancel, FrameReader, Message, Stop, Submit, write_frame
 from tests.unit.test_scheduler_burst import GroupBatch, request
 
 
@@ -34,10 +35,10 @@ class ThreadPipe(ep.RequestPipe):
         super().__init__(*args)
         self.read_on: dict[tuple[str, str], str] = {}
 
-    def _handle(self, messages: list[Any]) -> None:
+    def _handle(self, messages: list[Message]) -> None:
         for m in messages:
-            rid = m[1].request_id if m[0] == "submit" else (m[1] if len(m) > 1 else "")
-            self.read_on[(m[0], rid)] = threading.current_thread().name
+            rid = m.request.request_id if isinstance(m, Submit) else m.request_id if isinstance(m, Cancel) else ""
+            self.read_on[(type(m).__name__.lower(), rid)] = threading.current_thread().name
         super()._handle(messages)
 
 
@@ -57,15 +58,15 @@ class Served:
         self.reader = threading.Thread(target=self.pipe.run, name="pipe-main")
         self.reader.start()
 
-    def send(self, *messages: Any) -> None:
+    def send(self, *messages: Message) -> None:
         frames = b"".join(self._frame(m) for m in messages)  # one write: one read, read together
         os.write(self.write, frames)
 
     @staticmethod
-    def _frame(message: Any) -> bytes:
+    def _frame(message: Message) -> bytes:
         r, w = os.pipe()
         try:
-            ep.write_frame(w, message)
+            write_frame(w, message)
             return os.read(r, 1 << 20)
         finally:
             os.close(r)
@@ -79,11 +80,11 @@ class Served:
         fd = self.events.fileno()
         data = os.pread(fd, os.fstat(fd).st_size, 0)
         out: dict[str, str] = {}
-        for message in ep.FrameReader().feed(data):
-            for item in message[1]:
-                if len(item) == 4:
-                    out[item[0]] = "failed"
-                elif item[2]:
+        for message in FrameReader().feed(data):
+            for item in message.updates:
+                if not isinstance(item, list):  # a Failure
+                    out[item.request_id] = "failed"
+                elif item[2]:  # an Update that finished
                     out[item[0]] = item[3]
         return out
 
@@ -112,10 +113,10 @@ def test_an_idle_scheduler_reads_and_admits_a_submit_on_its_own_thread() -> None
     served = Served(ThreadBatch(round_s=0.001))
     try:
         time.sleep(0.05)  # idle: the scheduler's turn at the pipe
-        served.send(("submit", request("a"), True, False))
+        served.send(Submit(request("a"), True, False))
         assert served.wait_finished({"a"}) == {"a": "length"}
         time.sleep(0.05)
-        served.send(("submit", request("b"), True, True))
+        served.send(Submit(request("b"), True, True))
         assert served.wait_finished({"a", "b"})["b"] == "length"
     finally:
         served.close()
@@ -128,10 +129,10 @@ def test_submits_of_one_read_join_together_and_a_busy_scheduler_still_gets_cance
     try:
         time.sleep(0.05)
         long = request("long", new=400)  # ~2 s of 5 ms rounds: running while the rest arrives
-        served.send(("submit", long, True, True), ("submit", request("x"), True, True),
-                    ("submit", request("y"), True, True))
+        served.send(Submit(long, True, True), Submit(request("x"), True, True),
+                    Submit(request("y"), True, True))
         served.wait_finished({"x", "y"})
-        served.send(("cancel", "long"))  # read by the main thread: the scheduler runs rounds meanwhile
+        served.send(Cancel("long"))  # read by the main thread: the scheduler runs rounds meanwhile
         done = served.wait_finished({"long"}, timeout=1.5)
     finally:
         served.close()
@@ -146,7 +147,7 @@ def test_stop_and_eof_end_the_reader_and_the_scheduler() -> None:
     served = Served(ThreadBatch(round_s=0.001))
     try:
         time.sleep(0.05)
-        served.send(("stop",))  # read by the idle scheduler thread itself
+        served.send(Stop())  # read by the idle scheduler thread itself
         served.reader.join(5)
         assert served.pipe.read_on == {("stop", ""): "ddtree-scheduler"}
         assert not served.reader.is_alive() and served.pipe.done
@@ -156,7 +157,7 @@ def test_stop_and_eof_end_the_reader_and_the_scheduler() -> None:
         served.close()
     served = Served(ThreadBatch(round_s=0.001))
     try:
-        served.send(("submit", request("a", new=200), True, True))
+        served.send(Submit(request("a", new=200), True, True))
         time.sleep(0.05)  # running: the main thread's turn at the pipe
         os.close(served.write)  # the HTTP process is gone
         served.reader.join(5)
@@ -195,15 +196,15 @@ def test_an_idle_scheduler_polls_for_a_submit_inside_the_window_and_blocks_after
     served = Served(ThreadBatch(round_s=0.001), poll_window_s=0.5)
     try:
         time.sleep(0.05)  # idle for 50 ms: inside the window that opened when the scheduler first waited
-        served.send(("submit", request("a"), True, True))
+        served.send(Submit(request("a"), True, True))
         served.wait_finished({"a"})
         assert served.pipe.polled == 1
         time.sleep(0.05)  # the window opened again when "a" was read and when its rounds ended
-        served.send(("submit", request("b"), True, True))
+        served.send(Submit(request("b"), True, True))
         served.wait_finished({"a", "b"})
         assert served.pipe.polled == 2
         time.sleep(0.8)  # past the window: the thread blocks
-        served.send(("submit", request("c"), True, True))
+        served.send(Submit(request("c"), True, True))
         assert served.wait_finished({"a", "b", "c"}) == {"a": "length", "b": "length", "c": "length"}
         assert served.pipe.polled == 2
     finally:

@@ -1,5 +1,5 @@
-"""The engine process (ddtree.serving.engine_process): framing, batching of events, metrics, start-up failures,
-and what happens when either side dies. The engine is the bench's EmulatedEngine (a round is a short sleep), so
+"""The engine process seen from the HTTP side (ddtree.serving.engine_client, engine_worker): batching of events,
+metrics, start-up failures, and what happens when either side dies. The engine is the bench's EmulatedEngine (a round is a short sleep), so
 every test forks a real child and talks to it over the real pipes."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -18,66 +17,19 @@ from functools import partial
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-import ddtree.serving.engine_process as ep
+import ddtree.serving.engine_worker as worker
 from ddtree.bench.http_vs_engine import EmulatedEngine
-from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.request import Request, StepOutput
+from ddtree.serving import wire
 from ddtree.serving.args import resolve_args
-from ddtree.serving.scheduler import Failure
-from ddtree.serving.state import open_scheduler
+from ddtree.serving.engine_client import EngineProcess, EngineStartError
+from ddtree.serving.engine_worker import open_scheduler
+from ddtree.serving.wire import Failure
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE_TARGET = os.path.join(REPO, "fixtures", "models", "target")
-
-messages = st.lists(st.tuples(st.text(max_size=8), st.lists(st.integers(-2**40, 2**40), max_size=40)), max_size=12)
-
-
-@settings(max_examples=60, deadline=None)
-@given(messages, st.lists(st.integers(1, 64), min_size=1, max_size=20))
-def test_frames_come_out_whole_however_the_pipe_splits_them(items: list[Any], cuts: list[int]) -> None:
-    stream = b"".join(ep.FRAME.pack(len(p)) + p for p in (pickle.dumps(m) for m in items))
-    reader, out, at, i = ep.FrameReader(), [], 0, 0
-    while at < len(stream):
-        step = cuts[i % len(cuts)]
-        out += reader.feed(stream[at:at + step])
-        at, i = at + step, i + 1
-    assert out == items
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="F_SETPIPE_SZ is Linux's")
-def test_the_pipes_hold_a_burst_of_arrivals_without_a_reader() -> None:
-    """32 submits of 1024 ids (~100 KB) fit in the pipe at once: the HTTP side's loop never waits for the engine's
-    reader to drain the default 64 KiB."""
-    read, write = ep._pipe()
-    try:
-        os.set_blocking(write, False)  # a full pipe raises instead of hanging the test
-        request = Request("r", list(range(1000, 2024)), 8)
-        for _ in range(32):
-            ep.write_frame(write, ("submit", request, True, True))
-    finally:
-        os.close(read)
-        os.close(write)
-
-
-def test_write_frame_and_read_frames_round_trip_through_a_pipe() -> None:
-    r, w = os.pipe()
-    big = list(range(100_000))  # larger than a pipe's buffer: written in pieces
-    try:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the writer
-            os.close(r)
-            ep.write_frame(w, ("a", 1))
-            ep.write_frame(w, ("big", big))
-            os._exit(0)
-        os.close(w)
-        assert list(ep.read_frames(r)) == [("a", 1), ("big", big)]
-        os.waitpid(pid, 0)
-    finally:
-        os.close(r)
-
 
 # -- a forked engine -----------------------------------------------------------------------------------
 
@@ -95,13 +47,13 @@ def _emulated(round_s: float = 0.002) -> tuple[EmulatedEngine, int]:
     return EmulatedEngine(4096, 512, round_s, 0.001, 1), 512
 
 
-def _start(load: Callable[[], tuple[Any, int]] = _emulated, args: Any = None) -> ep.EngineProcess:
+def _start(load: Callable[[], tuple[Any, int]] = _emulated, args: Any = None) -> EngineProcess:
     args = args or _args()
-    return ep.EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), "warning")
+    return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), "warning")
 
 
 @pytest.fixture
-def engine() -> Iterator[ep.EngineProcess]:
+def engine() -> Iterator[EngineProcess]:
     proc = _start()
     proc.wait_loaded(60)
     yield proc
@@ -134,7 +86,7 @@ def _request(rid: str, prompt: list[int], n: int) -> Request:
     return Request(rid, prompt, n, ignore_eos=True)
 
 
-def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: ep.EngineProcess) -> None:
+def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: EngineProcess) -> None:
     info = engine.info
     assert info is not None and (info.vocab_size, info.context_length, info.device) == (4096, 512, "cpu")
     prompts = {"a": [5, 6, 7], "b": [9, 10], "c": [11, 12, 13, 14]}
@@ -163,9 +115,9 @@ def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: ep.E
 
 def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounds are held until the request ends unless it is streamed (its first token is never held)."""
-    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)  # inherited by the forked child
-    monkeypatch.setattr(ep, "EAGER_FLUSH_S", 0.0)
-    monkeypatch.setattr(ep, "LAZY_MIN_RUNNING", 0)  # held however few run
+    monkeypatch.setattr(worker, "LAZY_FLUSH_S", 100.0)  # inherited by the forked child
+    monkeypatch.setattr(worker, "EAGER_FLUSH_S", 0.0)
+    monkeypatch.setattr(worker, "LAZY_MIN_RUNNING", 0)  # held however few run
     proc = _start()
     try:
         proc.wait_loaded(60)
@@ -192,9 +144,9 @@ def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.Monke
 def test_a_lone_plain_requests_rounds_go_as_they_come_and_several_are_held(monkeypatch: pytest.MonkeyPatch) -> None:
     """With LAZY_MIN_RUNNING plain requests or fewer running, their rounds are not held (a plain answer decodes
     its text as events arrive: a last frame of 20 ms of rounds left that work for after the last token)."""
-    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)
-    monkeypatch.setattr(ep, "EAGER_FLUSH_S", 0.0)
-    assert ep.LAZY_MIN_RUNNING == 1
+    monkeypatch.setattr(worker, "LAZY_FLUSH_S", 100.0)
+    monkeypatch.setattr(worker, "EAGER_FLUSH_S", 0.0)
+    assert worker.LAZY_MIN_RUNNING == 1
     proc = _start()
     try:
         proc.wait_loaded(60)
@@ -222,10 +174,10 @@ def test_a_lone_plain_requests_rounds_go_as_they_come_and_several_are_held(monke
 
 def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Held rounds of one request go out merged (what applying them in turn gives); a failure stays after them."""
-    monkeypatch.setattr(ep, "LAZY_FLUSH_S", 100.0)
-    monkeypatch.setattr(ep, "LAZY_MIN_RUNNING", 0)
+    monkeypatch.setattr(worker, "LAZY_FLUSH_S", 100.0)
+    monkeypatch.setattr(worker, "LAZY_MIN_RUNNING", 0)
     read, write = os.pipe()
-    relay = ep.Relay(write)
+    relay = worker.Relay(write)
     a = [StepOutput("a", [1], False, None, 1, [1], [4], []),  # a first token: sent at once
          StepOutput("a", [2, 3], False, None, 2, [2], [4], []), StepOutput("a", [4], False, None, 3, [1], [4], []),
          StepOutput("a", [5], True, "length", 4, [1], [4], [])]  # a finish: sent at once
@@ -234,7 +186,7 @@ def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatc
     for event in [*a, *b]:
         relay.deliver([(None, event)])  # type: ignore[list-item]
     os.close(write)
-    frames = [[ep._decode(item) for item in m[1]] for m in ep.read_frames(read)]
+    frames = [[wire.event(item) for item in m.updates] for m in wire.read_frames(read)]
     os.close(read)
     sent = [dataclasses.replace(e, budgets=[]) if isinstance(e, StepOutput) else e for e in [a[0], b[0], b[1], b[2]]]
     assert frames == [[sent[0]], [StepOutput("a", [2, 3, 4, 5], True, "length", 4, [2, 1, 1], [], [])],
@@ -244,19 +196,19 @@ def test_a_frame_carries_one_event_a_request_whatever_rounds_it_holds(monkeypatc
 
 def test_accepted_lengths_travel_as_bytes_or_as_the_list_when_one_is_over_255() -> None:
     read, write = os.pipe()
-    relay = ep.Relay(write)
+    relay = worker.Relay(write)
     events = [StepOutput("s", [1, 2], True, "length", 2, [1, 255, 0], [9, 9, 9], [-0.5, -0.25]),
               StepOutput("t", [3], True, "stop", 1, [300, 2], [8, 8], [])]
     for event in events:
         relay.deliver([(None, event)])  # type: ignore[list-item]
     os.close(write)
-    messages = list(ep.read_frames(read))
+    messages = list(wire.read_frames(read))
     os.close(read)
-    assert isinstance(messages[0][1][0][5], bytes) and isinstance(messages[1][1][0][5], list)
-    assert [ep._decode(m[1][0]) for m in messages] == [dataclasses.replace(e, budgets=[]) for e in events]
+    assert isinstance(messages[0].updates[0][5], bytes) and isinstance(messages[1].updates[0][5], list)
+    assert [wire.event(m.updates[0]) for m in messages] == [dataclasses.replace(e, budgets=[]) for e in events]
 
 
-def test_cancel_aborts_a_running_request(engine: ep.EngineProcess) -> None:
+def test_cancel_aborts_a_running_request(engine: EngineProcess) -> None:
     async def run() -> Collector:
         engine.start()
         got = Collector(1)
@@ -273,7 +225,7 @@ def test_cancel_aborts_a_running_request(engine: ep.EngineProcess) -> None:
     assert engine.metrics.requests.labels(outcome="abort")._value.get() == 1
 
 
-def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: ep.EngineProcess) -> None:
+def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: EngineProcess) -> None:
     deaths: list[str] = []
     engine.on_death = deaths.append
 
@@ -284,7 +236,7 @@ def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: ep.EnginePr
             engine.submit(_request(rid, [1, 2], 300), got.sink(rid))
         while len(got.events) < 2:
             await asyncio.sleep(0.005)
-        os.kill(engine._process.pid, signal.SIGKILL)
+        os.kill(engine.pid, signal.SIGKILL)
         await asyncio.wait_for(got.done.wait(), 20)
         return got
 
@@ -318,7 +270,7 @@ def test_start_up_failures_carry_the_servers_exit_status(load: Callable[[], tupl
                                                           message: str) -> None:
     proc = _start(load)
     try:
-        with pytest.raises(ep.EngineStartError) as err:
+        with pytest.raises(EngineStartError) as err:
             proc.wait_loaded(60)
     finally:
         proc.stop()
@@ -342,10 +294,10 @@ def test_the_child_dies_with_its_parent(tmp_path: Any) -> None:
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {REPO!r})
-        from tests.unit.test_engine_process import _start
+        from tests.unit.test_engine_client import _start
         proc = _start()
         proc.wait_loaded(60)
-        print(proc._process.pid, flush=True)
+        print(proc.pid, flush=True)
         time.sleep(60)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
