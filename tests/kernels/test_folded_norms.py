@@ -125,7 +125,7 @@ def test_bad_sums_name_what_does_not_fit(kwargs: dict, message: str) -> None:
 
 
 def _fixture():
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
+    from ddtree.profiling.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
 
     target = load_target(FIXTURE_TARGET, device=DEVICE, dtype=torch.float32)

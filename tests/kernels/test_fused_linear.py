@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.bench.engine_bench import FIXTURE_DRAFTER, FIXTURE_TARGET
+from ddtree.profiling.engine_bench import FIXTURE_DRAFTER, FIXTURE_TARGET
 from ddtree.kernels.fused_linear import fused_linear, fused_linear_reference, fused_linear_triton
 from ddtree.models import dflash, load_drafter, load_target
 from ddtree.models.layers import RMSNorm, SwiGLU

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench import http_vs_engine as hve
-from ddtree.bench.in_process import EngineChannel, measuring, write_plan
+from ddtree.profiling import http_vs_engine as hve
+from ddtree.profiling.in_process import EngineChannel, measuring, write_plan
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, Scheduler
@@ -380,7 +380,7 @@ def test_a_failed_in_process_measurement_stops_the_server_with_its_reason(tmp_pa
     plan.write_text(json.dumps(broken))
     target = hve.FIXTURES / "target"
     proc = subprocess.run(
-        [sys.executable, "-m", "ddtree.bench.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
+        [sys.executable, "-m", "ddtree.profiling.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
          "--tokens-per-round", "1", "--engine-plan", str(plan), "--model-path", str(target), "--port", "0",
          "--device", "cpu"],
         capture_output=True, text=True, timeout=120)

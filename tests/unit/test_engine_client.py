@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import ddtree.serving.engine_worker as worker
-from ddtree.bench.http_vs_engine import EmulatedEngine
+from ddtree.profiling.http_vs_engine import EmulatedEngine
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
 from ddtree.request import Request, StepOutput
 from ddtree.serving import wire

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.bench import real_width
-from ddtree.bench.engine_bench import main as bench_main
-from ddtree.bench.hbm import copy_bandwidth, floors_ms, step_bytes, tensor_bytes
-from ddtree.bench.random_models import SHAPES, random_drafter, random_models
+from ddtree.profiling import real_width
+from ddtree.profiling.engine_bench import main as bench_main
+from ddtree.profiling.hbm import copy_bandwidth, floors_ms, step_bytes, tensor_bytes
+from ddtree.profiling.random_models import SHAPES, random_drafter, random_models
 from ddtree.engine import Engine
 from ddtree.errors import ConfigError
 
@@ -119,7 +119,7 @@ def test_engine_bench_builds_in_memory_and_prints_floors(tmp_path: Path) -> None
 
 
 def test_the_folded_variant_folds_the_targets_norms_and_restores_them(tmp_path: Path) -> None:
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
+    from ddtree.profiling.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
 
     name = "fused, skinny gemm, norms folded"

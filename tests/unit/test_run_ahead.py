@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ddtree.bench.syncs import round_syncs
+from ddtree.profiling.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import DecodeBatch, Engine, Request
 from ddtree.kernels.tree_attention import triton_available

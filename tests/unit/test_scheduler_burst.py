@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ddtree.bench import http_vs_engine as hve
+from ddtree.profiling import http_vs_engine as hve
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
 from ddtree.serving.scheduler import Scheduler
@@ -196,7 +196,7 @@ def test_the_emulated_prefill_costs_a_fixed_wait_per_forward_plus_its_padded_tok
 
 
 def test_the_prefill_cost_bench_times_each_size_per_bound_and_empties_the_batch() -> None:
-    from ddtree.bench import round_overhead as ro
+    from ddtree.profiling import round_overhead as ro
     from tests.unit.test_engine import make_engine, prompts
 
     engine = make_engine()

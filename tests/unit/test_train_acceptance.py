@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench.acceptance import heldout_files, heldout_prompts, main
+from ddtree.profiling.acceptance import heldout_files, heldout_prompts, main
 from ddtree.bench.prompts import code_prompts
 from ddtree.text import load_tokenizer
 
@@ -53,7 +53,7 @@ def test_source_dir_cuts_the_prompts_from_that_folder(pair: tuple[Path, Path], m
     little code is refused before any model loads."""
     import argparse
 
-    import ddtree.bench.acceptance as acc
+    import ddtree.profiling.acceptance as acc
 
     target, root = pair
     args = argparse.Namespace(target=target, source_dir=root / "a", context=50, prompts=2)
@@ -81,7 +81,7 @@ def test_greedy_confidence_is_the_targets_own_probability_of_its_ar_tokens() -> 
     over prompt + output, agrees with what the engine's log-probs summarize."""
     import torch
 
-    from ddtree.bench.acceptance import greedy_confidence, measure
+    from ddtree.profiling.acceptance import greedy_confidence, measure
     from ddtree.config import Algorithm, SpecConfig
     from ddtree.engine import Engine
     from ddtree.models.loading import load_target

@@ -1,6 +1,6 @@
 """Acceptance and speed of AR, DFLASH and DDTREE side by side on held-out code, in one process.
 
-    python -m ddtree.bench.acceptance --target fixtures/models/target --drafter fixtures/models/drafter \
+    python -m ddtree.profiling.acceptance --target fixtures/models/target --drafter fixtures/models/drafter \
         --configs dflash-w2048-bs8 b8-k4-w2048-bs8 --prompts 8 --context 256 --max-new-tokens 96
 
 Prompts are cut from the held-out code files (the target's training manifest names them) to an
@@ -111,7 +111,7 @@ def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.acceptance", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.acceptance", description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=Path("fixtures/models/target"))
     p.add_argument("--drafter", type=Path, default=Path("fixtures/models/drafter"))
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)

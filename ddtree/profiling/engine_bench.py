@@ -1,11 +1,11 @@
 r"""The engine-level benchmark: AR, DFLASH and DDTREE side by side, in one process, per (context, batch) cell.
 
-    python -m ddtree.bench --target fixtures/models/target --drafter fixtures/models/drafter \
+    python -m ddtree.profiling.engine_bench --target fixtures/models/target --drafter fixtures/models/drafter \
         --concurrency 1 8 32 --contexts 60 1024 4096 --max-new-tokens 128 --repeats 3 --device cuda \
         --out results.json --markdown engine_bench.md
 
     # verify cost against tree size and batch on a random ~1B target (fits one 10-minute GPU call)
-    python -m ddtree.bench --shape 1b --random-model-dir /tmp/ddtree-random --device cuda \
+    python -m ddtree.profiling.engine_bench --shape 1b --random-model-dir /tmp/ddtree-random --device cuda \
         --configs ar dflash-w2048-bs8 b8-k4-w2048-bs8 b16-k4-w2048-bs8 b32-k8-w2048-bs8 b64-k8-w2048-bs8 \
         bauto-k4-w2048-bs8 --contexts 1024 4096 --concurrency 1 8 32 --max-new-tokens 64 --repeats 2 \
         --out engine_bench_1b.json --markdown engine_bench_1b.md
@@ -18,9 +18,9 @@ cell, efficiency = speed-up / tau, the round time split from the engine's stage 
 round in ms), host syncs per round (CUDA: torch's sync debug mode over a few rounds) and, for an auto
 budget, the mean chosen tree size. Every output must equal AR's at T = 0 ("lossless"); the exit
 status is 1 when one does not. `--shape 1b` benchmarks a random-weight ~1B pair instead (built once
-by ddtree.bench.random_models): there only the timings mean something.
+by ddtree.profiling.random_models): there only the timings mean something.
 
-Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.bench.acceptance).
+Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.profiling.acceptance).
 On CUDA the timed runs do not synchronise between stages; the round split comes from one extra run
 with the engine's stage profiling on (a device sync at every stage boundary; with CUDA graphs each
 stage is then its own graph). `--cuda-graphs off` / `--attention sdpa` measure the eager paths.
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from ddtree.bench.acceptance import heldout_files, heldout_prompts
-from ddtree.bench.hbm import copy_bandwidth, floors_ms, step_bytes
-from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count, random_models
-from ddtree.bench.syncs import round_syncs
+from ddtree.profiling.acceptance import heldout_files, heldout_prompts
+from ddtree.profiling.hbm import copy_bandwidth, floors_ms, step_bytes
+from ddtree.profiling.random_models import SHAPES, build_random_pair, parameter_count, random_models
+from ddtree.profiling.syncs import round_syncs
 from ddtree.config import SpecConfig
 from ddtree.engine import ATTENTION_BACKENDS, Engine, GenerationResult, Request
 from ddtree.errors import ConfigError
@@ -209,7 +209,7 @@ def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig]
                max_new_tokens: int, repeats: int, warmup_tokens: int,
                bandwidth: float | None = None) -> list[dict[str, Any]]:
     """Every config on the cell's prompts; AR (specs[0]) first, each row compared with it. bandwidth (bytes/s,
-    ddtree.bench.hbm): each row also gets its HBM floor (floor_ms) beside its step time."""
+    ddtree.profiling.hbm): each row also gets its HBM floor (floor_ms) beside its step time."""
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     ar_tps = 0.0
@@ -288,7 +288,7 @@ def _device_name(device: torch.device) -> str:
 
 # -- entry ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.engine_bench", description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=FIXTURE_TARGET, help="target folder (--shape fixture)")
     p.add_argument("--drafter", type=Path, default=FIXTURE_DRAFTER, help="drafter folder (--shape fixture)")
     p.add_argument("--shape", default="fixture", choices=["fixture", *SHAPES],
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         check_positive("--repeats", [args.repeats])
         check_positive("--warmup-tokens", [args.warmup_tokens])
     except ConfigError as err:
-        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.engine_bench: error: {err}", file=sys.stderr)
         return 2
 
     target_dir, drafter_dir = args.target, args.drafter
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
                                             attention=args.attention, cuda_graphs=graphs, fold_norms=fold)
     except ConfigError as err:
-        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.engine_bench: error: {err}", file=sys.stderr)
         return 2
     del in_memory
     floors = args.floors == "on" or (args.floors == "auto" and engine.device.type == "cuda")
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "device": str(engine.device), "device_name": _device_name(engine.device), "torch": torch.__version__,
             "dtype": dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "-m", "ddtree.bench", *argv]), "shape": args.shape,
+            "command": shlex.join(["python", "-m", "ddtree.profiling.engine_bench", *argv]), "shape": args.shape,
             "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
             "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "warmup_tokens": args.warmup_tokens, "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,

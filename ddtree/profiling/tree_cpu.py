@@ -1,6 +1,6 @@
 """CPU timing of one DDTree round's tree work, per request: the heap reference vs the batched code.
 
-`python -m ddtree.bench.tree_cpu` prints a markdown table (docs/perf.md, tree ops): for each (batch rows,
+`python -m ddtree.profiling.tree_cpu` prints a markdown table (docs/perf.md, tree ops): for each (batch rows,
 budget, topk, depth) the heap path (ddtree.tree's per-request reference, a Python loop over rows) against
 the batched path, for the vocabulary pass, the build, the selection alone, the tree work after the
 vocabulary pass and a whole round (build + compile + walk).
@@ -145,7 +145,7 @@ def _print_table(rows: list[dict[str, float]]) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m ddtree.bench.tree_cpu", description=benchmark_cpu.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddtree.profiling.tree_cpu", description=benchmark_cpu.__doc__)
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--budget", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--topk", type=int, nargs="+", default=[4, 8])

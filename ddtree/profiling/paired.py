@@ -1,9 +1,9 @@
-r"""Paired timing of a few configs in one cell: `python -m ddtree.bench.paired`.
+r"""Paired timing of a few configs in one cell: `python -m ddtree.profiling.paired`.
 
-    python -m ddtree.bench.paired --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 --context 1024 \
+    python -m ddtree.profiling.paired --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 --context 1024 \
         --concurrency 1 --pairs 10 --device cuda --out paired.json
 
-`python -m ddtree.bench` runs each config's repeats back to back, so a drift of the machine between two
+`python -m ddtree.profiling.engine_bench` runs each config's repeats back to back, so a drift of the machine between two
 configs (clocks, a busy host) lands in their ratio. Here every round times one generate of each config in
 turn (each round starting one config later, so no config always follows the same one), and the ratios
 (speed-up over AR, efficiency = speed-up / tau) are taken within a round, then summarised as median, min
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ddtree.bench.engine_bench import (
+from ddtree.profiling.engine_bench import (
     DTYPES,
     FIXTURE_DRAFTER,
     FIXTURE_TARGET,
@@ -115,7 +115,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.paired", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.paired", description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=FIXTURE_TARGET)
     p.add_argument("--drafter", type=Path, default=FIXTURE_DRAFTER)
     p.add_argument("--configs", nargs="+", default=["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"], metavar="ID",
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         if not prompts:
             raise ConfigError(f"--context: no held-out file of {args.context}+ tokens under {args.target}")
     except ConfigError as err:
-        print(f"python -m ddtree.bench.paired: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.paired: error: {err}", file=sys.stderr)
         return 2
     rows = run_pairs(engine, prompts, specs, args.max_new_tokens, args.pairs)
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     print(f"context {args.context}, concurrency {args.concurrency}, {args.pairs} rounds, {name}\n{format_rows(rows)}")
     if args.out:
-        meta = {"command": shlex.join(["python", "-m", "ddtree.bench.paired", *argv]), "device_name": name,
+        meta = {"command": shlex.join(["python", "-m", "ddtree.profiling.paired", *argv]), "device_name": name,
                 "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "context": args.context, "concurrency": args.concurrency, "pairs": args.pairs,
                 "max_new_tokens": args.max_new_tokens}

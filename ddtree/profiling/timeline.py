@@ -1,7 +1,7 @@
-r"""Where a request's time goes on its way through the server: `python -m ddtree.bench.timeline`.
+r"""Where a request's time goes on its way through the server: `python -m ddtree.profiling.timeline`.
 
-    python -m ddtree.bench.timeline --device cuda --configs ar b4-k4-w2048-bs8 --context 1024 --requests 50
-    python -m ddtree.bench.timeline --engine emulated --round-ms 0.25 --prefill-ms 1    # no GPU
+    python -m ddtree.profiling.timeline --device cuda --configs ar b4-k4-w2048-bs8 --context 1024 --requests 50
+    python -m ddtree.profiling.timeline --engine emulated --round-ms 0.25 --prefill-ms 1    # no GPU
 
 Per config one server is started with DDTREE_TIMELINE set (ddtree.serving.stamps: the HTTP process and the
 engine process stamp each request's stages) and sent `--requests` requests one at a time (the closed loop of
@@ -52,7 +52,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench import http_vs_engine
+from ddtree.profiling import http_vs_engine
 from ddtree.bench.loadgen import RequestRecord, run_client, run_requests
 from ddtree.errors import ConfigError
 from ddtree.serving import stamps
@@ -143,7 +143,7 @@ def format_table(config: str, mode: str, table: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.timeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.timeline", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
     p.add_argument("--target", type=Path, default=FIXTURES / "target")
@@ -211,7 +211,7 @@ def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], fo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddtree.bench.engine_bench import parse_configs
+    from ddtree.profiling.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.text import load_tokenizer
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         _check(args)
         specs = parse_configs(args.configs)
     except ConfigError as err:
-        print(f"python -m ddtree.bench.timeline: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.timeline: error: {err}", file=sys.stderr)
         return 2
     folder = args.out or Path(tempfile.mkdtemp(prefix="ddtree-timeline-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     codec = load_tokenizer(args.target)
     prompts = code_prompts(codec, args.context, args.warmup + args.requests)
     result: dict[str, Any] = {"meta": {
-        "command": shlex.join(["python", "-m", "ddtree.bench.timeline", *argv]),
+        "command": shlex.join(["python", "-m", "ddtree.profiling.timeline", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "engine": args.engine, "device": args.device,
         "cpus": os.cpu_count()}, "configs": {}}
     bad = False

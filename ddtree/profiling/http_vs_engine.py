@@ -1,8 +1,8 @@
-r"""The HTTP server against the engine in process, on the same prompts: `python -m ddtree.bench.http_vs_engine`.
+r"""The HTTP server against the engine in process, on the same prompts: `python -m ddtree.profiling.http_vs_engine`.
 
-    python -m ddtree.bench.http_vs_engine --device cuda --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 \
+    python -m ddtree.profiling.http_vs_engine --device cuda --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 \
         --contexts 60 1024 4096 --concurrency 1 8 32 --repeats 3 --out http_vs_engine.json
-    python -m ddtree.bench.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
+    python -m ddtree.profiling.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
 
 Per config one server is started (ddtree.server, as the suite's local backend starts it). Per cell (context x
 concurrency) it is timed three ways, on the same prompts: the server's batch driven directly (a closed loop
@@ -12,12 +12,12 @@ ddtree.bench.loadgen). Each prints output tok/s, TTFT, TPOT and E2E (median and 
 process of the medians.
 
 Where the in-process side runs (`--in-process`): "same" (the default) in the server's own engine process, on
-the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.bench.in_process
+the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.profiling.in_process
 says why: a round's time moves by up to ~8% between process starts); "separate" in a batch this process opens
 the way the server opens its own. Either way the modes' repeats take turns.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
-`ddtree.bench.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
+`ddtree.profiling.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
 cell's concurrency), so what a server does not warm before serving shows up in its numbers.
 
 `--engine emulated` replaces the model with a batch whose round waits `--round-ms` without the GIL (a
@@ -39,9 +39,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
-from ddtree.bench.fresh_runs import drive
-from ddtree.bench.in_process import (
+from ddtree.profiling.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
+from ddtree.profiling.fresh_runs import drive
+from ddtree.profiling.in_process import (
     EngineChannel,
     measure_cell,
     measuring,
@@ -149,12 +149,12 @@ def _mean_round_ms(before: tuple[float, float] | None, after: tuple[float, float
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-plan", type=Path, default=None,
-                   help="cells the engine process measures in process on request (ddtree.bench.in_process)")
+                   help="cells the engine process measures in process on request (ddtree.profiling.in_process)")
 
 
 def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
     """The real server (routes, engine process, scheduler, text); with ns.engine_plan, its engine process first
-    measures the batch it serves in process (ddtree.bench.in_process.measuring)."""
+    measures the batch it serves in process (ddtree.profiling.in_process.measuring)."""
     from ddtree.server import serve, setup_logging, start_engine
     from ddtree.serving.args import resolve_args
     from ddtree.serving.engine_worker import open_scheduler
@@ -170,7 +170,7 @@ def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
 
 
 def serve_model(argv: list[str]) -> int:
-    """`python -m ddtree.bench.http_vs_engine serve --engine-plan P <server flags>`: ddtree.server, whose engine
+    """`python -m ddtree.profiling.http_vs_engine serve --engine-plan P <server flags>`: ddtree.server, whose engine
     process measures its batch in process when the bench asks."""
     from ddtree.server import load_engine
 
@@ -181,7 +181,7 @@ def serve_model(argv: list[str]) -> int:
 
 
 def serve_emulated(argv: list[str]) -> int:
-    """`python -m ddtree.bench.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
+    """`python -m ddtree.profiling.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
     server (routes, engine process, scheduler, text) in front of an EmulatedEngine."""
     p = argparse.ArgumentParser(prog="serve-emulated")
     p.add_argument("--round-ms", type=float, required=True)
@@ -211,7 +211,7 @@ def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_r
 class BenchBackend(LocalBackend):
     """The suite's local backend, launching one of this module's serve commands instead of ddtree.server."""
 
-    module = "ddtree.bench.http_vs_engine"
+    module = "ddtree.profiling.http_vs_engine"
 
     def __init__(self, serve_args: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -250,7 +250,7 @@ def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) 
 
 def build_parser() -> argparse.ArgumentParser:
     # no abbreviations: --runs hands the rest of the command line to each run, less its own --runs and --out
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.http_vs_engine", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.http_vs_engine", description=__doc__.splitlines()[0],
                                 allow_abbrev=False)
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", type=int, default=1,
                    help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
-                        "median ratio over the runs (ddtree.bench.fresh_runs)")
+                        "median ratio over the runs (ddtree.profiling.fresh_runs)")
     p.add_argument("--in-process", choices=("same", "separate"), default="same",
                    help="where the in-process side runs: same: in the server's own engine process, on the batch it "
                         "serves, each repeat between the HTTP ones with the scheduler paused; separate: an engine "
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: float) -> None:
-    """The flags `_backend` starts a server from (this bench's and ddtree.bench.timeline's)."""
+    """The flags `_backend` starts a server from (this bench's and ddtree.profiling.timeline's)."""
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--sleep-on-idle", action="store_true", help="the server's: block instead of polling")
@@ -329,7 +329,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
                               args.tokens_per_round, prefill_token_s=getattr(args, "prefill_token_us", 0.0) / 1e6)
 
-    from ddtree.bench.engine_bench import DTYPES
+    from ddtree.profiling.engine_bench import DTYPES
     from ddtree.engine import Engine
 
     return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
@@ -345,7 +345,7 @@ def _timed(args: argparse.Namespace, prompts: list[list[int]], conc: int) -> lis
 
 def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
     """Every cell's row; on_row(rows so far) after each (main writes --out there, so a run cut short keeps them)."""
-    from ddtree.bench.engine_bench import parse_configs
+    from ddtree.profiling.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.service.readiness import wait_ready
     from ddtree.text import load_tokenizer
@@ -447,15 +447,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check(args)
     except ConfigError as err:
-        print(f"python -m ddtree.bench.http_vs_engine: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.http_vs_engine: error: {err}", file=sys.stderr)
         return 2
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
+    meta = {"command": shlex.join(["python", "-m", "ddtree.profiling.http_vs_engine", *argv]), "date": started,
             "engine": args.engine, "in_process": args.in_process, "device": args.device,
             "client_processes": args.client_processes,
             "commit": git_commit()}
     if args.runs > 1:
-        return drive("ddtree.bench.http_vs_engine", argv, args.runs, args.out,
+        return drive("ddtree.profiling.http_vs_engine", argv, args.runs, args.out,
                      Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-runs-")), meta)
 
     def write(rows: list[dict[str, Any]]) -> None:

@@ -1,10 +1,10 @@
-r"""What the server's round loop adds to a decode round: `python -m ddtree.bench.round_overhead`.
+r"""What the server's round loop adds to a decode round: `python -m ddtree.profiling.round_overhead`.
 
-    python -m ddtree.bench.round_overhead --device cuda --configs ar b8-k4-w2048-bs8 bauto-k4-w2048-bs8
-    python -m ddtree.bench.round_overhead --engine zero      # a batch whose rounds cost nothing: the loop alone
+    python -m ddtree.profiling.round_overhead --device cuda --configs ar b8-k4-w2048-bs8 bauto-k4-w2048-bs8
+    python -m ddtree.profiling.round_overhead --engine zero      # a batch whose rounds cost nothing: the loop alone
 
 The same requests (greedy, ignore_eos, all joining at once) run on one batch three ways, in turns:
-"in process" is a closed loop over DecodeBatch.step() (ddtree.bench.http_vs_engine's in-process mode);
+"in process" is a closed loop over DecodeBatch.step() (ddtree.profiling.http_vs_engine's in-process mode);
 "served" is the engine process's Scheduler with its Relay writing every event into a file (no HTTP, no
 text, no reader to wait for): round N's outputs are handed out while round N + 1 runs on the device;
 "served, no overlap" is the same with the batch seen as step() only (each round's outputs handed out
@@ -20,7 +20,7 @@ and burst_wait_s in ms; 0:0 admits whatever is queued at every look), in turns w
 prefilled at once): the prefill groups and their ms, TTFT (submit to first token handed out) median and
 p90, the last first token and the last finish after the first submit.
 
-    python -m ddtree.bench.round_overhead --device cuda --configs b8-k4-w2048-bs8 --rows 32 --burst \
+    python -m ddtree.profiling.round_overhead --device cuda --configs b8-k4-w2048-bs8 --rows 32 --burst \
         --spacing-ms 0.15 0.3 --holds 0:0 1:4
 
 `--prefill-costs`: instead, one prefill of k prompts for every k in `--rows` (on one batch of the most
@@ -190,7 +190,7 @@ def frame_tokens(frames: list[Any], out: dict[str, list[int]]) -> dict[str, list
 # every frame, as the server's event loop is), decodes every frame and prints the tokens at the pipe's end.
 PIPE_READER = """
 import json, os, sys
-from ddtree.bench.round_overhead import frame_tokens
+from ddtree.profiling.round_overhead import frame_tokens
 from ddtree.serving.wire import FrameReader
 reader, out = FrameReader(), {}
 print("ready", flush=True)
@@ -383,7 +383,7 @@ def prefill_costs(batch: Any, device: Any, prompts: list[list[int]], sizes: list
     return rows
 
 
-# One thread for the loops timed in process, kept across calls (ddtree.bench.http_vs_engine uses it too)
+# One thread for the loops timed in process, kept across calls (ddtree.profiling.http_vs_engine uses it too)
 _ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
 
 
@@ -444,9 +444,9 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.round_overhead", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.round_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--engine", choices=("model", "zero", "emulated"), default="model",
-                   help="emulated: ddtree.bench.http_vs_engine's batch (--round-ms, --prefill-ms, --prefill-token-us)")
+                   help="emulated: ddtree.profiling.http_vs_engine's batch (--round-ms, --prefill-ms, --prefill-token-us)")
     p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
     p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill forward's fixed wait")
     p.add_argument("--prefill-token-us", type=float, default=0.0, help="emulated: a prefill's wait per padded token")
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                                               ("--context", [args.context]),
                                               ("--max-new-tokens", [args.max_new_tokens])) for v in vals if v < 1]
     if bad:
-        print(f"python -m ddtree.bench.round_overhead: error: {', '.join(bad)} out of range (allowed >= 1)",
+        print(f"python -m ddtree.profiling.round_overhead: error: {', '.join(bad)} out of range (allowed >= 1)",
               file=sys.stderr)
         return 2
     engine = device = codec = None
@@ -514,10 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         holds = [parse_hold(h) for h in args.holds]
     except ConfigError as err:
-        print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
+        print(f"python -m ddtree.profiling.round_overhead: error: {err}", file=sys.stderr)
         return 2
     if any(sp < 0 for sp in args.spacing_ms):
-        print("python -m ddtree.bench.round_overhead: error: --spacing-ms out of range (allowed >= 0)", file=sys.stderr)
+        print("python -m ddtree.profiling.round_overhead: error: --spacing-ms out of range (allowed >= 0)", file=sys.stderr)
         return 2
     on_gpu = getattr(device, "type", None) == "cuda"
     freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch: Any = ZeroBatch(rows)
                 prompts = [[1]] * rows
             elif args.engine == "emulated":
-                from ddtree.bench.emulated import EmulatedBatch
+                from ddtree.profiling.emulated import EmulatedBatch
                 from ddtree.config import SpecConfig
 
                 batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     spec = SpecConfig.from_id(config_id)
                 except ConfigError as err:
-                    print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
+                    print(f"python -m ddtree.profiling.round_overhead: error: {err}", file=sys.stderr)
                     return 2
                 slots = max(rows, args.batch_rows)
                 batch = engine.open_batch(spec, slots, args.context + args.max_new_tokens + spec.max_nodes)

@@ -1,9 +1,9 @@
 r"""The engine at real model width: HBM floors, kernel profiles of an AR step and a verify step, kernel
 variants side by side, engine rounds by tree size, and transformers' own Qwen3 as the peer.
 
-    python -m ddtree.bench.real_width --shapes 1b 8b --device cuda --out-dir /tmp/real_width
+    python -m ddtree.profiling.real_width --shapes 1b 8b --device cuda --out-dir /tmp/real_width
 
-RANDOM WEIGHTS: the pairs come from ddtree.bench.random_models, built in memory on the device (an 8b
+RANDOM WEIGHTS: the pairs come from ddtree.profiling.random_models, built in memory on the device (an 8b
 folder would be 16 GB to write and read back); only timings mean something. Per shape:
 
 1. The floor: the bytes a step must read (the target's weights, and the KV cache at the context) over a
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddtree.bench.hbm import copy_bandwidth, step_bytes
-from ddtree.bench.random_models import SHAPES, random_drafter, random_models, shape_of
+from ddtree.profiling.hbm import copy_bandwidth, step_bytes
+from ddtree.profiling.random_models import SHAPES, random_drafter, random_models, shape_of
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request
 from ddtree.kernels import residual_norm
@@ -563,7 +563,7 @@ def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Na
 
 # -- entry -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.real_width", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.real_width", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--context", type=int, default=1024)
@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"meta": {
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m ddtree.bench.real_width", *argv]), "context": args.context,
+        "command": " ".join(["python -m ddtree.profiling.real_width", *argv]), "context": args.context,
         "copy_gbps": bw / 1e9}, "shapes": {}}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
 
