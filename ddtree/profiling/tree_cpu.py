@@ -16,14 +16,14 @@ import torch
 from ddtree.tree import (
     DraftTree,
     DraftTrees,
-    _batched_trees,
-    _heap_tree,
     build_tree,
     build_trees,
     compile_tree,
     compile_trees,
     follow_tree,
     follow_trees,
+    select_tree,
+    select_trees,
     top_log_probs,
     top_log_probs_fast,
 )
@@ -75,13 +75,13 @@ def _round_cases(logits: torch.Tensor, budget: int, topk: int) -> dict[str, Call
         return run
 
     def heap_select(r: int) -> DraftTree:
-        return _heap_tree(lp[r], ids[r], budget)
+        return select_tree(lp[r], ids[r], budget)
 
     def heap_build(r: int) -> DraftTree:
         return build_tree(logits[r], budget, topk)
 
     def batched_select() -> DraftTrees:
-        return _batched_trees(lp, ids, budget)
+        return select_trees(lp, ids, budget)
 
     def batched_build() -> DraftTrees:
         return build_trees(logits, budget, topk)
