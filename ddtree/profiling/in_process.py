@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.loadgen import RequestRecord
-from ddtree.profiling.round_overhead import on_a_thread
 from ddtree.engine import Request, StepOutput
+from ddtree.profiling.round_overhead import on_a_thread
 from ddtree.serving.engine_worker import freeze_heap
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import ddtree.engine as engine_module
-from ddtree.profiling.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
 from ddtree.engine import CALIBRATE_EVERY, CHOOSE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import triton_available
+from ddtree.profiling.syncs import round_syncs
 from tests.unit.test_engine import AR, make_engine, prompts
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs, Triton kernels)")
