@@ -39,23 +39,36 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.profiling.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
-from ddtree.profiling.fresh_runs import drive
-from ddtree.profiling.in_process import (
-    EngineChannel,
-    measure_cell,
-    measuring,
-    run_in_process,  # noqa: F401  (re-exported: tests use it here)
-    write_plan,
-)
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_client, run_requests, tls_verify
 from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.bench.results import git_commit
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError
+from ddtree.profiling.emulated import EmulatedEngine
+from ddtree.profiling.flags import (
+    add_concurrency,
+    add_configs,
+    add_contexts,
+    add_device,
+    add_dtype,
+    add_max_new_tokens,
+    add_models,
+    add_out,
+    add_repeats,
+    parse_configs,
+    resolve_device,
+    tool_parser,
+    torch_dtype,
+)
+from ddtree.profiling.fresh_runs import drive
+from ddtree.profiling.in_process import (
+    EngineChannel,
+    measure_cell,
+    measuring,
+    write_plan,
+)
 from ddtree.service.local import LocalBackend
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 MODES = ("engine", "stream", "plain")  # in process, streaming client, non-streaming client
 
 
@@ -232,9 +245,10 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) -> LocalBackend:
+def server_backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) -> LocalBackend:
     """The server the bench measures; with a plan, its engine process measures in process on request."""
-    common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
+    common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter,
+                                  device=resolve_device(args.device),
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=server_flags(args))
     measured = [] if plan is None else ["--engine-plan", str(plan)]
@@ -250,15 +264,13 @@ def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) 
 
 def build_parser() -> argparse.ArgumentParser:
     # no abbreviations: --runs hands the rest of the command line to each run, less its own --runs and --out
-    p = argparse.ArgumentParser(prog="python -m ddtree.profiling.http_vs_engine", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    p = tool_parser(__name__, __doc__, allow_abbrev=False)
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
-    p.add_argument("--target", type=Path, default=FIXTURES / "target")
-    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
-    p.add_argument("--configs", nargs="+", default=["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"], metavar="ID")
-    p.add_argument("--contexts", nargs="+", type=int, default=[1024], help="prompt tokens")
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], help="requests in flight")
+    add_models(p)
+    add_configs(p, ["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"])
+    add_contexts(p, [1024])
+    add_concurrency(p, [1, 8, 32])
     p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]),
                    help="HTTP clients: stream (SSE, SGLang's cumulative chunks), plain (one JSON answer)")
     p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(waves x concurrency, 8))")
@@ -267,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "is 0.1-0.25 s on the H200 fixture; more waves steady it, C = 1 keeps its 8)")
     p.add_argument("--client-processes", type=int, default=1,
                    help="HTTP client processes sharing each cell's concurrency (ddtree.bench.loadgen.client_pool)")
-    p.add_argument("--repeats", type=int, default=3)
+    add_repeats(p)
     p.add_argument("--runs", type=int, default=1,
                    help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
                         "median ratio over the runs (ddtree.profiling.fresh_runs)")
@@ -276,17 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "serves, each repeat between the HTTP ones with the scheduler paused; separate: an engine "
                         "loaded in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_new_tokens(p)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
     add_server_args(p, round_ms=1.0, prefill_ms=2.0)
-    p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
+    add_out(p, "JSON file of every row and repeat")
     return p
 
 
 def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: float) -> None:
-    """The flags `_backend` starts a server from (this bench's and ddtree.profiling.timeline's)."""
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    """The flags `server_backend` starts a server from (this bench's and ddtree.profiling.timeline's)."""
+    add_device(p)
+    add_dtype(p)
     p.add_argument("--sleep-on-idle", action="store_true", help="the server's: block instead of polling")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="the server's (and the in-process batch's): no round launched before the one before it is read")
@@ -329,10 +341,10 @@ def _load_engine(args: argparse.Namespace) -> Any:
         return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
                               args.tokens_per_round, prefill_token_s=getattr(args, "prefill_token_us", 0.0) / 1e6)
 
-    from ddtree.profiling.engine_bench import DTYPES
     from ddtree.engine import Engine
 
-    return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
+    return Engine.from_pretrained(args.target, args.drafter, device=resolve_device(args.device),
+                                  dtype=torch_dtype(args.dtype))
 
 
 def requests_per_repeat(args: argparse.Namespace, conc: int) -> int:
@@ -345,7 +357,6 @@ def _timed(args: argparse.Namespace, prompts: list[list[int]], conc: int) -> lis
 
 def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
     """Every cell's row; on_row(rows so far) after each (main writes --out there, so a run cut short keeps them)."""
-    from ddtree.profiling.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.service.readiness import wait_ready
     from ddtree.text import load_tokenizer
@@ -370,7 +381,7 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
         if same:  # a new address and key per server
             address, key = write_plan(plan_path, [(ctx, conc, _timed(args, prompts[ctx], conc)) for ctx, conc in cells],
                                       args.max_new_tokens)
-        backend = _backend(args, log_dir, plan_path if same else None)
+        backend = server_backend(args, log_dir, plan_path if same else None)
         if same:
             log(f"[{spec.id}] in process: in the server's engine process, between the HTTP repeats", flush=True)
         backend.start(spec)
@@ -439,16 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         return serve_emulated(argv[1:])
     if argv[:1] == ["serve"]:
         return serve_model(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.device is None:
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
     try:
         _check(args)
     except ConfigError as err:
-        print(f"python -m ddtree.profiling.http_vs_engine: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     meta = {"command": shlex.join(["python", "-m", "ddtree.profiling.http_vs_engine", *argv]), "date": started,
             "engine": args.engine, "in_process": args.in_process, "device": args.device,

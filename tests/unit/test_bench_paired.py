@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.profiling import paired
-from ddtree.profiling.engine_bench import parse_configs
 from ddtree.engine import POOLED_BATCHES, GenerationResult
+from ddtree.profiling import paired
+from ddtree.profiling.flags import parse_configs
 
 
 class _ScriptedEngine:

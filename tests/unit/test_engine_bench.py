@@ -9,13 +9,14 @@ import pytest
 import torch
 import yaml
 
-from ddtree.profiling import engine_bench
-from ddtree.profiling.engine_bench import Cell, cell_prompts, main, parse_configs
-from ddtree.profiling.random_models import MARKER, build_random_pair, fixture_vocab, parameter_count
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine
 from ddtree.errors import ConfigError
 from ddtree.models import load_drafter, load_target
+from ddtree.profiling import engine_bench
+from ddtree.profiling.engine_bench import Cell, cell_prompts, main
+from ddtree.profiling.flags import parse_configs
+from ddtree.profiling.random_models import MARKER, build_random_pair, fixture_vocab, parameter_count
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO / ".github" / "workflows" / "nightly-gpu.yml"

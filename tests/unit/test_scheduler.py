@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from ddtree.profiling import http_vs_engine as hve
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request, StepOutput
+from ddtree.profiling.emulated import EmulatedBatch
 from ddtree.serving.scheduler import Failure, Scheduler
 from tests.unit.test_engine import AR, make_engine, prompts
 from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
@@ -19,7 +19,7 @@ from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
 EMU = SpecConfig.from_id("ar")
 
 
-class SplitBatch(hve.EmulatedBatch):
+class SplitBatch(EmulatedBatch):
     """An emulated batch with DecodeBatch's launch()/collect(), logging every call the scheduler makes.
 
     on_collect(round index) runs inside collect(), as an arrival or a cancel would land while the device
