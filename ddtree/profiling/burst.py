@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         holds = [parse_hold(h) for h in args.holds]
         if any(sp < 0 for sp in args.spacing_ms):
             raise ConfigError("--spacing-ms out of range (allowed >= 0)")
+        if args.prefill_costs and args.engine != "model":
+            raise ConfigError(f"--prefill-costs: needs --engine model (a batch that prefills), not {args.engine!r}")
     except ConfigError as err:
         return parser.fail(err)
     engine, device, codec = load_engine(args)

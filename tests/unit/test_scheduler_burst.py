@@ -252,3 +252,15 @@ def test_each_prefill_forward_hands_out_its_first_tokens_before_the_next_runs() 
     run_to_end(sched, events)
     assert log[:6] == [("prefill", ["a", "b"]), ("out", "a"), ("out", "b"),
                        ("prefill", ["c", "d"]), ("out", "c"), ("out", "d")]
+
+
+def test_the_burst_tool_admits_a_burst_of_the_zero_batch_with_every_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m ddtree.profiling.burst on a batch of no model: every hold gives the in-process tokens (exit 0)."""
+    from ddtree.profiling import burst
+
+    assert burst.main(["--engine", "zero", "--rows", "4", "--repeats", "1", "--spacing-ms", "0.1",
+                       "--holds", "0:0", "1:4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" served ") == 2 and " in process " in out
+    assert burst.main(["--engine", "zero", "--prefill-costs"]) == 2
+    assert "--prefill-costs: needs --engine model" in capsys.readouterr().err
