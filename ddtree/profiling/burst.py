@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -31,18 +30,16 @@ from ddtree.errors import ConfigError
 from ddtree.profiling.flags import tool_parser
 from ddtree.profiling.round_overhead import (
     add_batch_flags,
-    batch_cases,
     check_batch_flags,
     choice_state,
     frame_tokens,
     in_process,
-    load_engine,
     on_a_thread,
-    open_bench_batch,
     restore_choice_state,
+    run_batches,
     sync_device,
 )
-from ddtree.serving.engine_worker import Relay, freeze_heap
+from ddtree.serving.engine_worker import Relay
 from ddtree.serving.scheduler import BURST_GAP_S, BURST_WAIT_S, SWITCH_INTERVAL_S, Scheduler
 
 
@@ -234,36 +231,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--prefill-costs: needs --engine model (a batch that prefills), not {args.engine!r}")
     except ConfigError as err:
         return parser.fail(err)
-    engine, device, codec = load_engine(args)
-    on_gpu = getattr(device, "type", None) == "cuda"
-    freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
+
+    def measure(label: str, rows: int, batch: Any, device: Any, prompts: list[list[int]], requests: list[Request],
+                on_gpu: bool) -> bool:
+        if args.prefill_costs:
+            for c in on_a_thread(prefill_costs, batch, device, prompts, sorted(args.rows), args.prefill_tokens,
+                                 args.repeats):
+                print(f"{label:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
+                      f"{c['prefill_tokens']:6}: {c['forwards']:2} forwards, {c['ms']:8.2f} ms", flush=True)
+            return True
+        results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds, args.repeats,
+                             on_gpu)
+        print_bursts(label, rows, results)
+        return not any(r["mismatched"] for r in results)
+
     if not args.prefill_costs:  # prefill costs: one line per prefill
         print(f"{'config':20} {'rows':>4} {'mode':10} {'spacing, gap:wait':18} {'arrivals':>8} {'TTFT ms':>8} {'p90':>8} "
               f"{'last 1st':>9} {'span ms':>8}  groups, prefill ms")
-    failed = []
-    for config_id, warmed, label in batch_cases(args, engine):
-        for rows in args.rows:
-            if args.prefill_costs and rows != max(args.rows):
-                continue  # one batch of the most rows: every size is prefilled on it
-            try:
-                batch, prompts = open_bench_batch(args, engine, codec, config_id, rows, warmed)
-            except ConfigError as err:
-                return parser.fail(err)
-            if args.prefill_costs:
-                for c in on_a_thread(prefill_costs, batch, device, prompts, sorted(args.rows), args.prefill_tokens,
-                                     args.repeats):
-                    print(f"{label:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
-                          f"{c['prefill_tokens']:6}: {c['forwards']:2} forwards, {c['ms']:8.2f} ms", flush=True)
-                continue
-            requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
-            results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds,
-                                 args.repeats, on_gpu)
-            print_bursts(label, rows, results)
-            if any(r["mismatched"] for r in results):
-                failed.append(f"{label} rows {rows}")
-    if failed:
-        print(f"outputs differ between in process and served: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    # prefill costs: one batch of the most rows, every size prefilled on it
+    return run_batches(args, parser, [max(args.rows)] if args.prefill_costs else args.rows, measure)
 
 
 if __name__ == "__main__":

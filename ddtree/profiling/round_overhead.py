@@ -31,11 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError
 from ddtree.profiling.flags import (
+    ToolParser,
     add_configs,
     add_context,
     add_device,
@@ -323,48 +325,59 @@ def check_batch_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"{', '.join(bad)} out of range (allowed >= 1)")
 
 
-def load_engine(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(engine, device, tokenizer) for --engine model; (None, None, None) for the batches of no model."""
-    if args.engine != "model":
-        return None, None, None
-    from ddtree.engine import Engine
-    from ddtree.text import load_tokenizer
-
-    args.device = resolve_device(args.device)
-    engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
-    return engine, engine.device, load_tokenizer(args.target)
+# measure(label, rows, batch, device, prompts, requests, on_gpu) -> whether every output matched
+Measure = Callable[[str, int, Any, Any, list[list[int]], list[Request], bool], bool]
 
 
-def batch_cases(args: argparse.Namespace, engine: Any) -> list[tuple[str, bool, str]]:
-    """(config id, warmed, label) for every batch to measure: each config, without and/or with the warm-up."""
+def run_batches(args: argparse.Namespace, parser: ToolParser, row_counts: list[int], measure: Measure) -> int:
+    """measure() on every batch the flags name: each config (or the batch of no model), without and/or with the
+    server's warm-up, at each of `row_counts`; exit status 1 when a measure's outputs differed, 2 on a bad id."""
+    engine = device = codec = None
+    if args.engine == "model":
+        from ddtree.engine import Engine
+        from ddtree.text import load_tokenizer
+
+        args.device = resolve_device(args.device)
+        engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
+        device, codec = engine.device, load_tokenizer(args.target)
+    on_gpu = getattr(device, "type", None) == "cuda"
+    freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
+    failed = []
     warms = {"no": [False], "yes": [True], "both": [False, True]}[args.warm] if engine is not None else [False]
-    return [(c, w, f"{c} warmed" if w else c) for c in (args.configs if engine is not None else [args.engine])
-            for w in warms]
+    for config_id, warmed in [(c, w) for c in (args.configs if engine is not None else [args.engine]) for w in warms]:
+        label = f"{config_id} warmed" if warmed else config_id
+        for rows in row_counts:
+            if args.engine == "zero":
+                batch: Any = ZeroBatch(rows)
+                prompts = [[1]] * rows
+            elif args.engine == "emulated":
+                from ddtree.config import SpecConfig
+                from ddtree.profiling.emulated import EmulatedBatch
 
+                batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
+                                      args.round_ms / 1e3, args.prefill_ms / 1e3, 1, args.prefill_token_us / 1e6)
+                prompts = [[1 + (i + j) % 101 for j in range(args.context)] for i in range(rows)]
+            else:
+                from ddtree.bench.prompts import code_prompts
+                from ddtree.config import SpecConfig
 
-def open_bench_batch(args: argparse.Namespace, engine: Any, codec: Any, config_id: str, rows: int,
-                     warmed: bool) -> tuple[Any, list[list[int]]]:
-    """The batch of `rows` requests that --engine names, and their prompts; ConfigError for a bad config id."""
-    from ddtree.config import SpecConfig
-
-    if args.engine == "zero":
-        return ZeroBatch(rows), [[1]] * rows
-    if args.engine == "emulated":
-        from ddtree.profiling.emulated import EmulatedBatch
-
-        batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
-                              args.round_ms / 1e3, args.prefill_ms / 1e3, 1, args.prefill_token_us / 1e6)
-        return batch, [[1 + (i + j) % 101 for j in range(args.context)] for i in range(rows)]
-    from ddtree.bench.prompts import code_prompts
-
-    spec = SpecConfig.from_id(config_id)
-    slots = max(rows, args.batch_rows)
-    batch = engine.open_batch(spec, slots, args.context + args.max_new_tokens + spec.max_nodes)
-    if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
-        warm = Scheduler(batch, slots, warm_token=next(t for t in range(engine.vocab_size)
-                                                        if t != engine.eos_token_id))
-        on_a_thread(warm._warm_up)
-    return batch, code_prompts(codec, args.context, rows)
+                try:
+                    spec = SpecConfig.from_id(config_id)
+                except ConfigError as err:
+                    return parser.fail(err)
+                slots = max(rows, args.batch_rows)
+                batch = engine.open_batch(spec, slots, args.context + args.max_new_tokens + spec.max_nodes)
+                if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
+                    warm = Scheduler(batch, slots, warm_token=next(t for t in range(engine.vocab_size)
+                                                                    if t != engine.eos_token_id))
+                    on_a_thread(warm._warm_up)
+                prompts = code_prompts(codec, args.context, rows)
+            requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
+            if not measure(label, rows, batch, device, prompts, requests, on_gpu):
+                failed.append(f"{label} rows {rows}")
+    if failed:
+        print(f"outputs differ between the modes: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 # -- entry ------------------------------------------------------------------------------------------------
@@ -382,30 +395,20 @@ def main(argv: list[str] | None = None) -> int:
         check_batch_flags(args)
     except ConfigError as err:
         return parser.fail(err)
-    engine, device, codec = load_engine(args)
-    on_gpu = getattr(device, "type", None) == "cuda"
-    freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
+    modes = tuple(m for m in MODES if m == MODES[0] or m in args.modes)
+
+    def measure(label: str, rows: int, batch: Any, device: Any, prompts: list[list[int]], requests: list[Request],
+                on_gpu: bool) -> bool:
+        row = run_config(batch, device, requests, args.repeats, on_gpu, modes)
+        for mode in modes:
+            m = row[mode]
+            excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
+            print(f"{label:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
+                  f"{m['rounds']:6.0f}", flush=True)
+        return not any(row["mismatched"].values())
+
     print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
-    failed = []
-    for config_id, warmed, label in batch_cases(args, engine):
-        for rows in args.rows:
-            try:
-                batch, prompts = open_bench_batch(args, engine, codec, config_id, rows, warmed)
-            except ConfigError as err:
-                return parser.fail(err)
-            requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
-            modes = tuple(m for m in MODES if m == MODES[0] or m in args.modes)
-            row = run_config(batch, device, requests, args.repeats, on_gpu, modes)
-            for mode in modes:
-                m = row[mode]
-                excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
-                print(f"{label:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
-                      f"{m['rounds']:6.0f}", flush=True)
-            if any(row["mismatched"].values()):
-                failed.append(f"{label} rows {rows}")
-    if failed:
-        print(f"outputs differ between the modes: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return run_batches(args, parser, args.rows, measure)
 
 
 if __name__ == "__main__":
