@@ -1,4 +1,4 @@
-"""The engine benchmark (python -m ddtree.bench), its random-weight pairs and the nightly GPU workflow, on CPU."""
+"""The engine benchmark (python -m ddtree.profiling.engine_bench), its random-weight pairs and the nightly GPU workflow, on CPU."""
 
 from __future__ import annotations
 
