@@ -1,5 +1,8 @@
 """DDTree core: draft-tree build (reference heap and batched), compile, walk and compaction indices.
 
+The vocabulary pass before the build (per-depth top-K log-probs) is ddtree.vocab_pass; top_log_probs and
+top_log_probs_fast are re-exported here.
+
 Pure tensor code; it knows nothing of models, caches or sampling. Shapes: `bs` batch rows, `L`
 drafted positions (max depth), `V` vocabulary, `K = min(topk, V)` candidates per depth, `B` budget
 (non-root nodes). Node 0 is the root (the bonus token); nodes 1..n are numbered so that a parent's
@@ -26,14 +29,13 @@ Otherwise the node sets are identical, and so is the node order when no two scor
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ddtree.errors import ConfigError
+from ddtree.vocab_pass import top_log_probs, top_log_probs_fast
 
 __all__ = [
     "CompiledTrees",
@@ -41,6 +43,8 @@ __all__ = [
     "DraftTrees",
     "build_tree",
     "build_trees",
+    "check_budget_topk",
+    "check_logits",
     "compaction_indices",
     "compile_tree",
     "compile_trees",
@@ -49,18 +53,13 @@ __all__ = [
     "follow_trees",
     "follow_trees_by_mask",
     "is_chain",
+    "select_tree",
+    "select_trees",
     "top_log_probs",
     "top_log_probs_fast",
 ]
 
-# A zero-probability token (a -inf logit) gets this log-prob instead of -inf, so it still sorts
-# below every real token but never mixes with the -inf that marks padding slots. 15 of them still
-# sum to a finite float32.
-_LOG_PROB_FLOOR = -1e30
 BITMASK_MAX_NODES = 64  # one int64 word per row
-T = TypeVar("T")
-_CPU_CHUNK_ELEMS = 1 << 19  # 2 MiB of float32 per log_softmax call on CPU
-_BLOCK = 32  # tokens per block in the two-stage top-k
 
 
 @dataclass
@@ -113,8 +112,8 @@ class CompiledTrees:
     bitmask: torch.Tensor | None  # [bs, B+1] int64, bit j of [b, i] == mask[b, i, j]; None if B+1 > 64
 
 
-# -- validation ---------------------------------------------------------------------------------
-def _check_budget_topk(budget: int, topk: int) -> None:
+# -- validation (shared with ddtree.kernels.tree_ops' fused path) ---------------------------------
+def check_budget_topk(budget: int, topk: int) -> None:
     for name, value in (("budget", budget), ("topk", topk)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{name}: {value!r} is not an integer (allowed range >= 1)")
@@ -122,7 +121,7 @@ def _check_budget_topk(budget: int, topk: int) -> None:
             raise ConfigError(f"{name}: {value} is out of range (allowed >= 1)")
 
 
-def _check_logits(logits: torch.Tensor, dims: int, shape: str) -> None:
+def check_logits(logits: torch.Tensor, dims: int, shape: str) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != dims:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits: expected a tensor of shape {shape}, got {got}")
@@ -130,82 +129,6 @@ def _check_logits(logits: torch.Tensor, dims: int, shape: str) -> None:
         raise ValueError(f"logits: L and V must be >= 1, got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
-
-
-# -- shared first step: per-depth top-K log-probs -------------------------------------------------
-def top_log_probs(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K log-probs and token ids per position, best first (the reference vocabulary pass).
-
-    logits[..., L, V] -> (log_probs[..., L, K] float32, ids[..., L, K] long), K = min(topk, V):
-    topk of log_softmax over the full vocabulary in float32, one row at a time in effect, so any
-    batch of rows gets bit-identical values.
-    """
-    v = logits.shape[-1]
-    k = min(topk, v)
-    rows = logits.reshape(-1, v)  # [R, V], a view when contiguous
-    parts = _per_chunk_log_softmax(rows, lambda lsm, _: lsm.topk(k, dim=-1))
-    values = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]  # [R, K]
-    ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]  # [R, K]
-    return _finish_top(values, ids, logits.shape)
-
-
-def top_log_probs_fast(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_log_probs with the same values (bit for bit) and, without exact ties, the same ids.
-
-    The top-K ids come from the raw logits in two stages: the max of every block of 32 tokens,
-    the top-K blocks by that max (they hold the K largest values, ties included), then the top-K
-    of those K * 32 candidates. The values are then gathered from the same row-wise log_softmax
-    the reference uses, so only the final gather differs, not the arithmetic.
-    """
-    v = logits.shape[-1]
-    k = min(topk, v)
-    rows = logits.reshape(-1, v)  # [R, V]
-    ids = _block_topk_ids(rows, k)  # [R, K]
-    values = torch.cat(_per_chunk_log_softmax(rows, lambda lsm, sl: lsm.gather(1, ids[sl])))  # [R, K]
-    return _finish_top(values, ids, logits.shape)
-
-
-def _per_chunk_log_softmax(rows: torch.Tensor, fn: Callable[[torch.Tensor, slice], T]) -> list[T]:
-    """fn(log_softmax(rows[sl]) in float32, sl) for cache-sized row slices of rows[R, V].
-
-    On CPU a [bs*L, V] float32 temporary is tens of MB of fresh pages; ~2 MiB slices written
-    into one reused buffer stay in cache and run 2-3x faster. On an accelerator: one slice.
-    """
-    r, v = rows.shape
-    if rows.device.type != "cpu" or r * v <= _CPU_CHUNK_ELEMS:
-        return [fn(torch.log_softmax(rows.float(), dim=-1), slice(0, r))]
-    step = max(1, _CPU_CHUNK_ELEMS // v)
-    buf = torch.empty(step, v, dtype=torch.float32, device=rows.device)
-    out = []
-    for i in range(0, r, step):
-        sl = slice(i, min(i + step, r))
-        piece = rows[sl].float()
-        out.append(fn(torch.log_softmax(piece, dim=-1, out=buf[: piece.shape[0]]), sl))
-    return out
-
-
-def _block_topk_ids(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Ids of the top-k values of every row of rows[R, V], sorted by value, best first."""
-    r, v = rows.shape
-    nblocks = v // _BLOCK
-    if nblocks < 4 * k:  # too few blocks to save anything
-        return rows.topk(k, dim=-1).indices
-    head = rows[:, : nblocks * _BLOCK].reshape(r, nblocks, _BLOCK)
-    _, best_blocks = head.amax(dim=-1).topk(k, dim=-1)  # [R, k]
-    offsets = torch.arange(_BLOCK, device=rows.device)
-    cand = (best_blocks[:, :, None] * _BLOCK + offsets).reshape(r, k * _BLOCK)  # [R, k*32]
-    if v > nblocks * _BLOCK:  # the tail that fills no whole block is always a candidate
-        tail = torch.arange(nblocks * _BLOCK, v, device=rows.device).expand(r, -1)
-        cand = torch.cat([cand, tail], dim=1)
-    _, pick = rows.gather(1, cand).topk(k, dim=-1)  # [R, k]
-    return cand.gather(1, pick)
-
-
-def _finish_top(values: torch.Tensor, ids: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    # -inf logits stay finite (see the floor); rounding never makes a log-prob positive, clamp anyway
-    values = values.clamp(min=_LOG_PROB_FLOOR, max=0.0)
-    out = (*shape[:-1], values.shape[-1])
-    return values.reshape(out), ids.reshape(out)
 
 
 def _f32(x: float) -> float:
@@ -221,14 +144,15 @@ def build_tree(logits: torch.Tensor, budget: int, topk: int) -> DraftTree:
     parent, next rank at that depth) and its first child (rank 0 one depth deeper). The result is
     the first `budget` paths in the order (-score, rank tuple), in that order.
     """
-    _check_budget_topk(budget, topk)
-    _check_logits(logits, 2, "[L, V]")
+    check_budget_topk(budget, topk)
+    check_logits(logits, 2, "[L, V]")
     log_probs, ids = top_log_probs(logits, topk)  # [L, K]
-    return _heap_tree(log_probs, ids, budget)
+    return select_tree(log_probs, ids, budget)
 
 
-def _heap_tree(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
-    """The heap itself, from top_log_probs' output (log_probs[L, K], ids[L, K])."""
+def select_tree(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTree:
+    """The heap itself, from top_log_probs' output (log_probs[L, K], ids[L, K]): build_tree after the
+    vocabulary pass (ddtree.profiling.tree_cpu times it alone)."""
     depth_limit, k = int(log_probs.shape[0]), int(log_probs.shape[1])
     lp = log_probs.tolist()
     tok = ids.tolist()
@@ -318,10 +242,10 @@ def build_trees(logits: torch.Tensor, budget: int, topk: int) -> DraftTrees:
     global top B over all depths. Nodes are ordered by score, best first, with a stable sort over
     depth-major slots, so a parent precedes its child even when a log-prob is exactly 0.
     """
-    _check_budget_topk(budget, topk)
-    _check_logits(logits, 3, "[bs, L, V]")
+    check_budget_topk(budget, topk)
+    check_logits(logits, 3, "[bs, L, V]")
     log_probs, ids = top_log_probs_fast(logits, topk)  # [bs, L, K]
-    return _batched_trees(log_probs, ids, budget)
+    return select_trees(log_probs, ids, budget)
 
 
 def _order_key(scores: torch.Tensor) -> torch.Tensor:
@@ -336,8 +260,9 @@ def _order_key(scores: torch.Tensor) -> torch.Tensor:
     return (monotone << 32) | (n - 1 - torch.arange(n, device=scores.device))
 
 
-def _batched_trees(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTrees:
-    """The batched selection itself, from top_log_probs' output (log_probs[bs, L, K], ids[bs, L, K])."""
+def select_trees(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTrees:
+    """The batched selection itself, from top_log_probs' output (log_probs[bs, L, K], ids[bs, L, K]): build_trees
+    after the vocabulary pass (the reference of ddtree.kernels.tree_ops.select_trees_triton)."""
     bs, depth_limit, k = log_probs.shape
     b = budget
     device = log_probs.device
@@ -359,7 +284,7 @@ def _batched_trees(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> D
     all_scores = torch.stack(scores, dim=1).reshape(bs, depth_limit * b)  # [bs, L*B], depth-major
     _, sel = _order_key(all_scores).topk(b, dim=-1)  # [bs, B] slot of node i+1, best first
     sel_scores = all_scores.gather(1, sel)  # [bs, B]
-    valid = sel_scores > float("-inf")  # padding slots are the only -inf scores (see floor)
+    valid = sel_scores > float("-inf")  # padding slots are the only -inf scores (see ddtree.vocab_pass.LOG_PROB_FLOOR)
     num_nodes = valid.sum(dim=-1)  # [bs]
 
     depth0 = sel // b  # [bs, B] 0-based depth

@@ -251,7 +251,7 @@ async def run_requests(
     most of it its chunks), so 32 arrivals leave it one after another: at high concurrency on a fast server
     the client, not the server, can set the pace.
 
-    timeline: each record's `stamps` get the client's CLOCK_MONOTONIC times (ddtree.bench.timeline).
+    timeline: each record's `stamps` get the client's CLOCK_MONOTONIC times (ddtree.profiling.timeline).
     """
     _check_args(prompts, concurrency, max_new_tokens, timeout_s)
     split_url(base_url)  # a ConfigError naming base_url before any request

@@ -31,6 +31,7 @@ import torch
 from ddtree import tree as tree_torch
 from ddtree.kernels.bitmask import num_words
 from ddtree.tree import CompiledTrees, DraftTrees
+from ddtree.vocab_pass import LOG_PROB_FLOOR
 
 try:  # Triton is optional: CPU machines use the torch code (or the interpreter, in tests)
     import triton
@@ -336,7 +337,7 @@ def top_log_probs_triton(logits: torch.Tensor, topk: int, block_v: int | None = 
             raise ValueError(f"splits: {splits} is not a power of two")
         kpad = triton.next_power_of_2(k)
         chunk = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v
-        floor = tree_torch._LOG_PROB_FLOOR
+        floor = LOG_PROB_FLOOR
         pm = torch.empty(n * splits if splits > 1 else 1, dtype=torch.float32, device=logits.device)
         pt = torch.empty_like(pm)
         pk = torch.empty(pm.numel() * kpad, dtype=torch.long, device=logits.device)
@@ -349,7 +350,7 @@ def top_log_probs_triton(logits: torch.Tensor, topk: int, block_v: int | None = 
 
 
 def select_trees_triton(log_probs: torch.Tensor, ids: torch.Tensor, budget: int) -> DraftTrees:
-    """The Triton path of the selection (ddtree.tree._batched_trees): log_probs/ids[bs, L, K] -> DraftTrees."""
+    """The Triton path of the selection (ddtree.tree.select_trees): log_probs/ids[bs, L, K] -> DraftTrees."""
     _need_triton("select_trees_triton")
     bs, depth, k = log_probs.shape
     if not fused_fits(budget, k, depth):
@@ -449,13 +450,13 @@ def _use_triton(backend: Backend, device: torch.device, fits: bool) -> bool:
 
 def build_trees(logits: torch.Tensor, budget: int, topk: int, backend: Backend = "auto") -> DraftTrees:
     """ddtree.tree.build_trees with the selection in one kernel where it applies (CUDA, or forced)."""
-    tree_torch._check_budget_topk(budget, topk)
-    tree_torch._check_logits(logits, 3, "[bs, L, V]")
+    tree_torch.check_budget_topk(budget, topk)
+    tree_torch.check_logits(logits, 3, "[bs, L, V]")
     k, depth = min(topk, logits.shape[-1]), logits.shape[1]
     if _use_triton(backend, logits.device, fused_fits(budget, k, depth)):
         return select_trees_triton(*top_log_probs_triton(logits, topk), budget)
     log_probs, ids = tree_torch.top_log_probs_fast(logits, topk)  # [bs, L, K]
-    return tree_torch._batched_trees(log_probs, ids, budget)
+    return tree_torch.select_trees(log_probs, ids, budget)
 
 
 def compile_trees(trees: DraftTrees, root_tokens: torch.Tensor, starts: torch.Tensor,

@@ -93,7 +93,7 @@ def open_scheduler(engine: Any, context_length: int, metrics: Recorder, deliver:
     # the batch's rows also hold one round's tree (max_nodes) past the committed tokens
     batch = engine.open_batch(spec, args.max_running_requests, context_length + spec.max_nodes,
                               run_ahead=not args.disable_overlap_schedule)
-    if stamps.ON:  # python -m ddtree.bench.timeline: each request's prefill, last round and hand-out
+    if stamps.ON:  # python -m ddtree.profiling.timeline: each request's prefill, last round and hand-out
         batch, deliver = stamps.StampedBatch(batch), stamps.stamped_deliver(deliver)
     warm_token = next(t for t in range(engine.vocab_size) if t != engine.eos_token_id)
     # A shorter GIL switch interval pays where a round waits on the GPU with the GIL released; on the

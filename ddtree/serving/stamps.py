@@ -1,4 +1,4 @@
-"""Per-request timestamps across the server's processes, for `python -m ddtree.bench.timeline`.
+"""Per-request timestamps across the server's processes, for `python -m ddtree.profiling.timeline`.
 
 Off unless the environment names a folder in DDTREE_TIMELINE when this module is first imported; then
 each process keeps (request id, stage, CLOCK_MONOTONIC ns) rows in memory and writes them to

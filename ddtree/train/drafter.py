@@ -542,7 +542,7 @@ embedding and output head (not stored here).
 
 Accuracy is against the data's next tokens, and against the target's argmax with the data as the
 prefix (exact for k = 1, an approximation deeper in the block); speculative acceptance, measured by
-the suite (tests/quality) and `ddtree.bench.acceptance`, is against the target's own greedy choices.
+the suite (tests/quality) and `ddtree.profiling.acceptance`, is against the target's own greedy choices.
 
 ## Intended use
 

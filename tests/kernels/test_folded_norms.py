@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from tests.kernels.kernel_asserts import assert_close, interpreter_off_but_insta
 
 pytestmark = pytest.mark.kernels
 
+FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TRITON_OK, TRITON_WHY = triton_runtime()
@@ -125,7 +127,6 @@ def test_bad_sums_name_what_does_not_fit(kwargs: dict, message: str) -> None:
 
 
 def _fixture():
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
 
     target = load_target(FIXTURE_TARGET, device=DEVICE, dtype=torch.float32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from ddtree.bench.engine_bench import FIXTURE_DRAFTER, FIXTURE_TARGET
 from ddtree.kernels.fused_linear import fused_linear, fused_linear_reference, fused_linear_triton
 from ddtree.models import dflash, load_drafter, load_target
 from ddtree.models.layers import RMSNorm, SwiGLU
@@ -31,6 +31,8 @@ from tests.kernels.kernel_asserts import (
 
 pytestmark = pytest.mark.kernels
 
+FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
+FIXTURE_DRAFTER = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "drafter"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TRITON_OK, TRITON_WHY = triton_runtime()

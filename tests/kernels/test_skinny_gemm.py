@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tests.kernels.kernel_asserts import (
 
 pytestmark = pytest.mark.kernels
 
+FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TRITON_OK, TRITON_WHY = triton_runtime()
@@ -368,7 +370,6 @@ def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: 
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused-layer loop (norm as each GEMM's input, residual add as its output) computes the forward the
     add + norm loop does: on the CPU its torch ops are the same ops, so logits and taps are bit for bit equal."""
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
     from ddtree.models import target as target_module
 
@@ -391,7 +392,6 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool
     """The fixture target's forward with every few-row GEMM on the kernel (with norms_inside, its norm
     prologues and residual epilogues too; the SwiGLU epilogue always; in the interpreter on the CPU) against
     its cuBLAS / torch-ops forward."""
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import layers, load_target
     from ddtree.models import target as target_module
 

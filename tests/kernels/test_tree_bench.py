@@ -6,7 +6,7 @@ Compare within a group (same bs, budget, topk, L):
 
     python -m pytest tests/kernels/test_tree_bench.py --benchmark-group-by=group
 
-`python -m ddtree.bench.tree_cpu` prints the same comparison as a per-request table (docs/perf.md).
+`python -m ddtree.profiling.tree_cpu` prints the same comparison as a per-request table (docs/perf.md).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 from ddtree import tree
 from ddtree.kernels import tree_ops
 from ddtree.kernels.bitmask import pack_mask
+from ddtree.vocab_pass import LOG_PROB_FLOOR
 from tests.kernels.kernel_asserts import interpreter_off_but_installed, run_triton_cases_in_child, triton_runtime
 
 pytestmark = pytest.mark.kernels
@@ -121,7 +122,7 @@ def check_case(case: Case) -> None:
     torch.testing.assert_close(lp, ref_lp, atol=2e-6, rtol=1e-6, msg=lambda m: f"vocabulary pass values, {case.id}: {m}")
     # the selection from the same log-probs: bit for bit
     selected = tree_ops.select_trees_triton(ref_lp, ref_ids, case.budget)
-    expected = tree._batched_trees(ref_lp, ref_ids, case.budget)
+    expected = tree.select_trees(ref_lp, ref_ids, case.budget)
     for field in ("tokens", "parents", "depths", "log_probs", "num_nodes"):
         assert_same(getattr(selected, field), getattr(expected, field), f"select {field}, {case.id}")
     # end to end: the same trees, scores to rounding
@@ -199,7 +200,7 @@ def test_vocabulary_pass_handles_minus_inf_and_ties() -> None:
     lp, ids = tree_ops.top_log_probs_triton(logits, 6)
     ref_lp, ref_ids = tree.top_log_probs_fast(logits, 6)
     assert not lp.isnan().any()
-    assert ids[0, 0, 0] == 8999 and lp[0, 0, 0] == 0.0 and bool((lp[0, 0, 1:] == tree._LOG_PROB_FLOOR).all())
+    assert ids[0, 0, 0] == 8999 and lp[0, 0, 0] == 0.0 and bool((lp[0, 0, 1:] == LOG_PROB_FLOOR).all())
     for row in ids.reshape(-1, 6).tolist():
         assert len(set(row)) == 6, f"duplicate ids {row}"
     assert bool((ids[1, 1] < 40).all()), "a tied top must come from the tied tokens"
@@ -231,7 +232,7 @@ def test_ties_give_valid_trees_of_the_same_scores(case: Case) -> None:
     logits = draft_logits(case, quantised=True)
     log_probs, ids = tree.top_log_probs_fast(logits, case.topk)
     trees = tree_ops.select_trees_triton(log_probs, ids, case.budget)
-    expected = tree._batched_trees(log_probs, ids, case.budget)
+    expected = tree.select_trees(log_probs, ids, case.budget)
     assert_same(trees.num_nodes, expected.num_nodes, "num_nodes")
     # the best `budget` path scores are one multiset, whichever equal nodes were picked
     assert_same(trees.log_probs.sort(dim=-1).values, expected.log_probs.sort(dim=-1).values, "scores")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench import fresh_runs, http_vs_engine
+from ddtree.profiling import fresh_runs, http_vs_engine
 
 
 def _row(config: str, concurrency: int, engine: float, stream: float, plain: float | None = None) -> dict:

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench import http_vs_engine as hve
-from ddtree.bench.in_process import EngineChannel, measuring, write_plan
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
+from ddtree.profiling import http_vs_engine as hve
+from ddtree.profiling.emulated import EmulatedBatch
+from ddtree.profiling.flags import FIXTURE_TARGET
+from ddtree.profiling.in_process import EngineChannel, measuring, run_in_process, write_plan
 from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, Scheduler
 from ddtree.serving.state import RequestStream
 
@@ -30,8 +32,8 @@ def _temporary_folders_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
 
 
-def emulated(max_batch: int = 8, tokens: int = 1) -> hve.EmulatedBatch:
-    return hve.EmulatedBatch(AR, max_batch, 512, round_s=0.0, prefill_s=0.0, tokens_per_round=tokens)
+def emulated(max_batch: int = 8, tokens: int = 1) -> EmulatedBatch:
+    return EmulatedBatch(AR, max_batch, 512, round_s=0.0, prefill_s=0.0, tokens_per_round=tokens)
 
 
 def test_in_process_loop_keeps_concurrency_and_times_every_request() -> None:
@@ -40,7 +42,7 @@ def test_in_process_loop_keeps_concurrency_and_times_every_request() -> None:
     real_step = batch.step
     batch.step = lambda: steps.append(batch.active) or real_step()  # type: ignore[method-assign]
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
-    records = hve.run_in_process(None, batch, prompts, concurrency=2, max_new_tokens=7)
+    records = run_in_process(None, batch, prompts, concurrency=2, max_new_tokens=7)
     assert max(steps) == 2 and batch.active == 0
     for prompt, rec in zip(prompts, records):
         assert rec.ok and rec.completion_tokens == 7 and rec.finish_reason == "length"
@@ -81,7 +83,7 @@ def test_scheduler_hands_each_round_over_in_one_call() -> None:
     assert [len(items) for items in calls] == [4, 4, 4, 4, 4, 4]
 
 
-class _GraphedBatch(hve.EmulatedBatch):
+class _GraphedBatch(EmulatedBatch):
     """An emulated batch that says its rounds are graphs, recording what it was asked to run."""
 
     graphs = object()
@@ -263,7 +265,7 @@ def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.Mon
 def test_the_engine_process_measures_between_served_requests_and_keeps_serving(tmp_path: Path) -> None:
     """measuring(): cells measured on request, each on the served batch with the scheduler paused; a bad request
     is the bench's error, and the scheduler still serves after it."""
-    batch = hve.EmulatedBatch(AR, 4, 512, round_s=0.0005, prefill_s=0.0, tokens_per_round=1)
+    batch = EmulatedBatch(AR, 4, 512, round_s=0.0005, prefill_s=0.0, tokens_per_round=1)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None)
     prompts = [[5, 6, 7], [8, 9, 10]]
     address, key = write_plan(tmp_path / "plan.json", [(60, 2, prompts)], 5)
@@ -327,7 +329,7 @@ def test_emulated_round_overlaps_host_work_between_launch_and_collect() -> None:
     """What a caller does between launch() and collect() hides in the round's wait, as on a device."""
     import time
 
-    batch = hve.EmulatedBatch(AR, 2, 512, round_s=0.2, prefill_s=0.0, tokens_per_round=1)
+    batch = EmulatedBatch(AR, 2, 512, round_s=0.2, prefill_s=0.0, tokens_per_round=1)
     batch.add(Request("a", [1, 2, 3], 4, ignore_eos=True))
     batch.launch()
     with pytest.raises(RuntimeError, match="already launched"):
@@ -378,9 +380,9 @@ def test_a_failed_in_process_measurement_stops_the_server_with_its_reason(tmp_pa
     broken = json.loads(plan.read_text())
     del broken["max_new_tokens"]
     plan.write_text(json.dumps(broken))
-    target = hve.FIXTURES / "target"
+    target = FIXTURE_TARGET
     proc = subprocess.run(
-        [sys.executable, "-m", "ddtree.bench.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
+        [sys.executable, "-m", "ddtree.profiling.http_vs_engine", "serve-emulated", "--round-ms", "1", "--prefill-ms", "1",
          "--tokens-per-round", "1", "--engine-plan", str(plan), "--model-path", str(target), "--port", "0",
          "--device", "cpu"],
         capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""ddtree.bench.paired: in-round ratios, the lossless check, argument errors before loading, a CPU run."""
+"""ddtree.profiling.paired: in-round ratios, the lossless check, argument errors before loading, a CPU run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.bench import paired
-from ddtree.bench.engine_bench import parse_configs
 from ddtree.engine import POOLED_BATCHES, GenerationResult
+from ddtree.profiling import paired
+from ddtree.profiling.flags import parse_configs
 
 
 class _ScriptedEngine:
@@ -109,7 +109,7 @@ def test_bad_arguments_fail_before_loading(args: list[str], message: str, capsys
     monkeypatch.setattr(paired.Engine, "from_pretrained", no_load)
     assert paired.main(["--device", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m ddtree.bench.paired: error:") and re.search(message, err), err
+    assert err.startswith("python -m ddtree.profiling.paired: error:") and re.search(message, err), err
 
 
 def test_cpu_run_on_the_fixture_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,7 +120,7 @@ def test_cpu_run_on_the_fixture_pair(tmp_path: Path, capsys: pytest.CaptureFixtu
     text = capsys.readouterr().out
     assert "[round 2/2]" in text and "b4-k4-w2048-bs8" in text
     report = json.loads(out.read_text())
-    assert report["meta"]["pairs"] == 2 and report["meta"]["command"].startswith("python -m ddtree.bench.paired")
+    assert report["meta"]["pairs"] == 2 and report["meta"]["command"].startswith("python -m ddtree.profiling.paired")
     ar, tree = report["rows"]
     assert ar["config"] == "ar" and tree["lossless"] and len(tree["tok_per_s_rounds"]) == 2
     assert tree["tau"] >= 1.0

@@ -1,4 +1,4 @@
-"""The engine benchmark (python -m ddtree.bench), its random-weight pairs and the nightly GPU workflow, on CPU."""
+"""The engine benchmark (python -m ddtree.profiling.engine_bench), its random-weight pairs and the nightly GPU workflow, on CPU."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import pytest
 import torch
 import yaml
 
-from ddtree.bench import engine_bench
-from ddtree.bench.engine_bench import Cell, cell_prompts, main, parse_configs
-from ddtree.bench.random_models import MARKER, build_random_pair, fixture_vocab, parameter_count
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine
 from ddtree.errors import ConfigError
 from ddtree.models import load_drafter, load_target
+from ddtree.profiling import engine_bench
+from ddtree.profiling.engine_bench import Cell, cell_prompts, main
+from ddtree.profiling.flags import parse_configs
+from ddtree.profiling.random_models import MARKER, build_random_pair, fixture_vocab, parameter_count
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO / ".github" / "workflows" / "nightly-gpu.yml"
@@ -45,7 +46,7 @@ def test_main_writes_rows_meta_and_skips_a_cell_beyond_the_context(random_dir: P
     meta = report["meta"]
     assert meta["torch"] == torch.__version__ and meta["device_name"].startswith("cpu")
     assert meta["shape"] == "tiny" and "RANDOM WEIGHTS" in meta["shape_label"]
-    assert meta["date"] and meta["command"].startswith("python -m ddtree.bench --shape tiny")
+    assert meta["date"] and meta["command"].startswith("python -m ddtree.profiling.engine_bench --shape tiny")
     rows = report["rows"]
     assert [r["config"] for r in rows] == ["ar", "b4-k4-w2048-bs8"]
     for row in rows:
@@ -158,7 +159,7 @@ def test_nightly_workflow_parses_and_runs_the_three_commands() -> None:
     assert 'pytest -m "perf or quality" --config-grid full --device cuda --results-dir results/nightly' in runs
     assert "--floors h200-fixture" in runs and (REPO / "fixtures/floors/h200-fixture.yaml").is_file()
     assert "pytest tests/unit/test_engine_paths.py" in runs  # the GPU engine paths (graphs, syncs)
-    assert ("python -m ddtree.bench --device cuda --out results/nightly/engine_bench.json "
+    assert ("python -m ddtree.profiling.engine_bench --device cuda --out results/nightly/engine_bench.json "
             "--markdown results/nightly/engine_bench.md") in runs
     assert "python -m ddtree.kernels.bench --out results/nightly/kernel_bench.json" in runs
     upload = next(s for s in steps if str(s.get("uses", "")).startswith("actions/upload-artifact"))

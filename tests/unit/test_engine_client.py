@@ -1,5 +1,5 @@
 """The engine process seen from the HTTP side (ddtree.serving.engine_client, engine_worker): batching of events,
-metrics, start-up failures, and what happens when either side dies. The engine is the bench's EmulatedEngine (a round is a short sleep), so
+metrics, start-up failures, and what happens when either side dies. The engine is the profiling tools' EmulatedEngine (a round is a short sleep), so
 every test forks a real child and talks to it over the real pipes."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 import ddtree.serving.engine_worker as worker
-from ddtree.bench.http_vs_engine import EmulatedEngine
 from ddtree.errors import ConfigError, ModelLoadError, RequestError
+from ddtree.profiling.emulated import EmulatedEngine
 from ddtree.request import Request, StepOutput
 from ddtree.serving import wire
 from ddtree.serving.args import resolve_args

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import ddtree.engine as engine_module
-from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.cuda_graphs import ROW_BUCKETS, TREE_BUCKETS, row_bucket, tree_sizes
 from ddtree.engine import CALIBRATE_EVERY, CHOOSE_EVERY, DecodeBatch, Engine, Request
 from ddtree.errors import ConfigError
 from ddtree.kernels import tree_ops
 from ddtree.kernels.tree_attention import triton_available
+from ddtree.profiling.syncs import round_syncs
 from tests.unit.test_engine import AR, make_engine, prompts
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs, Triton kernels)")
@@ -124,7 +124,7 @@ def test_a_real_width_bf16_engine_folds_its_norms_and_commits_the_targets_tokens
     the folded GEMMs (<= 16 rows), 20 prompts' the add + norm kernels with unit weights; DDTREE commits what AR
     does on the same folded engine, and the greedy tokens are the unfolded engine's (this shape's embedding
     scale gives top-1 margins far above bfloat16's rounding of W * g)."""
-    from ddtree.bench.random_models import random_models
+    from ddtree.profiling.random_models import random_models
 
     folded = Engine(*random_models("narrow", device="cuda", dtype=torch.bfloat16))
     assert folded.norms_folded

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.bench import real_width
-from ddtree.bench.engine_bench import main as bench_main
-from ddtree.bench.hbm import copy_bandwidth, floors_ms, step_bytes, tensor_bytes
-from ddtree.bench.random_models import SHAPES, random_drafter, random_models
 from ddtree.engine import Engine
 from ddtree.errors import ConfigError
+from ddtree.profiling import real_width
+from ddtree.profiling.engine_bench import main as bench_main
+from ddtree.profiling.flags import FIXTURE_TARGET
+from ddtree.profiling.hbm import copy_bandwidth, floors_ms, step_bytes, tensor_bytes
+from ddtree.profiling.kernel_profile import kind_of
+from ddtree.profiling.peer import peer_part
+from ddtree.profiling.random_models import SHAPES, random_drafter, random_models
 
 
 def _target_params(name: str) -> int:
@@ -52,12 +55,12 @@ def test_in_memory_pair_and_its_bytes() -> None:
 
 
 def test_kernel_names_group_into_kinds() -> None:
-    assert real_width.kind_of("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm (cuBLAS)"
-    assert real_width.kind_of("_fused_linear_kernel") == "triton gemv"
-    assert real_width.kind_of("_tree_attention_kernel") == "attention"
-    assert real_width.kind_of("_add_rms_norm_kernel") == "add + rmsnorm (triton)"
-    assert real_width.kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise (torch)"
-    assert real_width.kind_of("something else") == "other"
+    assert kind_of("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm (cuBLAS)"
+    assert kind_of("_fused_linear_kernel") == "triton gemv"
+    assert kind_of("_tree_attention_kernel") == "attention"
+    assert kind_of("_add_rms_norm_kernel") == "add + rmsnorm (triton)"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise (torch)"
+    assert kind_of("something else") == "other"
 
 
 def test_main_on_the_tiny_shape_writes_forward_rounds_and_profiles(tmp_path: Path) -> None:
@@ -88,12 +91,12 @@ def test_the_peer_times_generate_eager_unless_asked_to_compile(monkeypatch: pyte
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.Qwen3ForCausalLM, "generate", spy)
-    out = real_width.peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2)
+    out = peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2)
     # a timing of 2 tiny steps on a loaded CPU may even come out below 0: what it says is not checked here
     assert isinstance(out["generate_static_eager_ms"], float) and "generate_static_compiled_ms" not in out
     assert calls and all(calls), "generate ran with its forward left to auto-compile"
     calls.clear()
-    out = real_width.peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2, compiled=True)
+    out = peer_part("tiny", torch.device("cpu"), torch.float32, context=16, steps=2, compiled=True)
     assert {"generate_static_eager_ms", "generate_static_compiled_ms"} <= set(out)
     assert True in calls and False in calls
 
@@ -119,7 +122,6 @@ def test_engine_bench_builds_in_memory_and_prints_floors(tmp_path: Path) -> None
 
 
 def test_the_folded_variant_folds_the_targets_norms_and_restores_them(tmp_path: Path) -> None:
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
 
     name = "fused, skinny gemm, norms folded"

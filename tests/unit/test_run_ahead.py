@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-from ddtree.bench.syncs import round_syncs
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import DecodeBatch, Engine, Request
 from ddtree.kernels.tree_attention import triton_available
+from ddtree.profiling.syncs import round_syncs
 from tests.unit.test_engine import AR, make_engine, prompts
 
 SPECS = [

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from ddtree.bench import http_vs_engine as hve
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request, StepOutput
+from ddtree.profiling.emulated import EmulatedBatch
 from ddtree.serving.scheduler import Failure, Scheduler
 from tests.unit.test_engine import AR, make_engine, prompts
 from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
@@ -19,7 +19,7 @@ from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
 EMU = SpecConfig.from_id("ar")
 
 
-class SplitBatch(hve.EmulatedBatch):
+class SplitBatch(EmulatedBatch):
     """An emulated batch with DecodeBatch's launch()/collect(), logging every call the scheduler makes.
 
     on_collect(round index) runs inside collect(), as an arrival or a cancel would land while the device
@@ -432,10 +432,10 @@ def test_served_rounds_run_ahead_equal_ar_at_t0(engine: Engine, config: str) -> 
 
 
 def test_a_batch_seen_through_step_alone_is_settled_before_rows_join(engine: Engine) -> None:
-    """A batch whose step() runs ahead, seen without launch/collect (ddtree.bench.round_overhead's "no overlap"
+    """A batch whose step() runs ahead, seen without launch/collect (ddtree.profiling.round_overhead's "no overlap"
     mode): a request that arrives while another runs joins after the round step() left in flight is settled;
     both get AR's tokens."""
-    from ddtree.bench.round_overhead import StepOnly
+    from ddtree.profiling.round_overhead import StepOnly
 
     texts = prompts(2, seed=43)
     ref = engine.generate(texts, 60, spec=AR)
@@ -457,9 +457,9 @@ def test_a_batch_seen_through_step_alone_is_settled_before_rows_join(engine: Eng
 
 
 def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> None:
-    """ddtree.bench.round_overhead: in process, served (overlapped) and served one round at a time give
+    """ddtree.profiling.round_overhead: in process, served (overlapped) and served one round at a time give
     every request the same tokens, and each mode's rounds are timed."""
-    from ddtree.bench import round_overhead as ro
+    from ddtree.profiling import round_overhead as ro
 
     batch = ro.ZeroBatch(3)
     assert not hasattr(ro.StepOnly(batch), "launch") and ro.StepOnly(batch).active == 0

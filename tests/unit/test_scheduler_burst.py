@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from ddtree.bench import http_vs_engine as hve
 from ddtree.config import SpecConfig
 from ddtree.engine import Request, StepOutput
+from ddtree.profiling.emulated import EmulatedBatch
 from ddtree.serving.scheduler import Scheduler
 from tests.unit.test_scheduler import Events
 
 EMU = SpecConfig.from_id("ar")
 
 
-class GroupBatch(hve.EmulatedBatch):
+class GroupBatch(EmulatedBatch):
     """An emulated batch (rounds of `round_s`, free prefills) that logs the request ids of every prefill."""
 
     def __init__(self, round_s: float, max_batch: int = 32) -> None:
@@ -187,22 +187,22 @@ def _drop(_: object) -> None:
 
 def test_the_emulated_prefill_costs_a_fixed_wait_per_forward_plus_its_padded_tokens() -> None:
     """What the burst benches' emulated batch charges: DecodeBatch's forwards (8192 padded tokens at most)."""
-    batch = hve.EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1, prefill_token_s=1e-6)
+    batch = EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1, prefill_token_s=1e-6)
     assert batch.prefill_seconds([1024] * 32) == pytest.approx(4 * (0.003 + 8 * 1024e-6))  # 4 forwards of 8
     assert batch.prefill_seconds([1024] * 3) == pytest.approx(0.003 + 3 * 1024e-6)
     assert batch.prefill_seconds([100, 1000]) == pytest.approx(0.003 + 2 * 1000e-6)  # padded to the longest
-    flat = hve.EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1)
+    flat = EmulatedBatch(EMU, 32, 2048, round_s=0.0, prefill_s=0.003, tokens_per_round=1)
     assert flat.prefill_seconds([1024] * 32) == 0.003  # no per-token cost: one wait per prefill, as before
 
 
 def test_the_prefill_cost_bench_times_each_size_per_bound_and_empties_the_batch() -> None:
-    from ddtree.bench import round_overhead as ro
+    from ddtree.profiling.burst import prefill_costs
     from tests.unit.test_engine import make_engine, prompts
 
     engine = make_engine()
     batch = engine.open_batch(SpecConfig.from_id("b4-k4-w2048-bs8"), 4, 64)
     same = [p[:3] * 7 for p in prompts(4, seed=5)]  # 21 ids each: 4 fit one forward of 4096 padded tokens, not of 16
-    rows = ro.prefill_costs(batch, None, same, [1, 4], [16, 4096], repeats=1)
+    rows = prefill_costs(batch, None, same, [1, 4], [16, 4096], repeats=1)
     assert [(r["prefill_tokens"], r["requests"]) for r in rows] == [(16, 1), (16, 4), (4096, 1), (4096, 4)]
     assert [r["forwards"] for r in rows] == [1, 4, 1, 1] and all(r["ms"] > 0 for r in rows)
     assert batch.active == 0
@@ -252,3 +252,15 @@ def test_each_prefill_forward_hands_out_its_first_tokens_before_the_next_runs() 
     run_to_end(sched, events)
     assert log[:6] == [("prefill", ["a", "b"]), ("out", "a"), ("out", "b"),
                        ("prefill", ["c", "d"]), ("out", "c"), ("out", "d")]
+
+
+def test_the_burst_tool_admits_a_burst_of_the_zero_batch_with_every_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m ddtree.profiling.burst on a batch of no model: every hold gives the in-process tokens (exit 0)."""
+    from ddtree.profiling import burst
+
+    assert burst.main(["--engine", "zero", "--rows", "4", "--repeats", "1", "--spacing-ms", "0.1",
+                       "--holds", "0:0", "1:4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" served ") == 2 and " in process " in out
+    assert burst.main(["--engine", "zero", "--prefill-costs"]) == 2
+    assert "--prefill-costs: needs --engine model" in capsys.readouterr().err

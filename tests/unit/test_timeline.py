@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench import timeline
 from ddtree.bench.loadgen import RequestRecord
 from ddtree.engine import Request, StepOutput
+from ddtree.profiling import timeline
 from ddtree.serving import stamps
 
 

@@ -485,7 +485,6 @@ def test_greedy_continue_with_ragged_prompts_is_each_prompt_alone(monkeypatch: p
     two): every row continues exactly as its own prompt does alone. The committed fixture target, whose
     continuations depend on their context (the module's briefly trained one says much the same everywhere)."""
     import ddtree.train.rollouts as rollouts_mod
-    from ddtree.bench.engine_bench import FIXTURE_TARGET
     from ddtree.models import load_target
 
     target = load_target(FIXTURE_TARGET)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.bench.acceptance import heldout_files, heldout_prompts, main
 from ddtree.bench.prompts import code_prompts
+from ddtree.profiling.acceptance import heldout_files, heldout_prompts, main
 from ddtree.text import load_tokenizer
 
 FIXTURE_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "target"
@@ -53,7 +53,7 @@ def test_source_dir_cuts_the_prompts_from_that_folder(pair: tuple[Path, Path], m
     little code is refused before any model loads."""
     import argparse
 
-    import ddtree.bench.acceptance as acc
+    import ddtree.profiling.acceptance as acc
 
     target, root = pair
     args = argparse.Namespace(target=target, source_dir=root / "a", context=50, prompts=2)
@@ -81,10 +81,10 @@ def test_greedy_confidence_is_the_targets_own_probability_of_its_ar_tokens() -> 
     over prompt + output, agrees with what the engine's log-probs summarize."""
     import torch
 
-    from ddtree.bench.acceptance import greedy_confidence, measure
     from ddtree.config import Algorithm, SpecConfig
     from ddtree.engine import Engine
     from ddtree.models.loading import load_target
+    from ddtree.profiling.acceptance import greedy_confidence, measure
 
     assert greedy_confidence([0.0, -1.0, -0.01]) == pytest.approx(
         {"median": 0.99005, "mean": (1 + 0.36788 + 0.99005) / 3, "share_over_0.9": 2 / 3}, rel=1e-4)

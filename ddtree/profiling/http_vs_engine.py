@@ -1,8 +1,8 @@
-r"""The HTTP server against the engine in process, on the same prompts: `python -m ddtree.bench.http_vs_engine`.
+r"""The HTTP server against the engine in process, on the same prompts: `python -m ddtree.profiling.http_vs_engine`.
 
-    python -m ddtree.bench.http_vs_engine --device cuda --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 \
+    python -m ddtree.profiling.http_vs_engine --device cuda --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 \
         --contexts 60 1024 4096 --concurrency 1 8 32 --repeats 3 --out http_vs_engine.json
-    python -m ddtree.bench.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
+    python -m ddtree.profiling.http_vs_engine --engine emulated --round-ms 1.0    # no GPU: the server's own cost
 
 Per config one server is started (ddtree.server, as the suite's local backend starts it). Per cell (context x
 concurrency) it is timed three ways, on the same prompts: the server's batch driven directly (a closed loop
@@ -12,12 +12,12 @@ ddtree.bench.loadgen). Each prints output tok/s, TTFT, TPOT and E2E (median and 
 process of the medians.
 
 Where the in-process side runs (`--in-process`): "same" (the default) in the server's own engine process, on
-the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.bench.in_process
+the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.profiling.in_process
 says why: a round's time moves by up to ~8% between process starts); "separate" in a batch this process opens
 the way the server opens its own. Either way the modes' repeats take turns.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
-`ddtree.bench.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
+`ddtree.profiling.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
 cell's concurrency), so what a server does not warm before serving shows up in its numbers.
 
 `--engine emulated` replaces the model with a batch whose round waits `--round-ms` without the GIL (a
@@ -39,23 +39,36 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench.emulated import EmulatedBatch, EmulatedEngine  # noqa: F401  (EmulatedBatch: re-exported, tests use it here)
-from ddtree.bench.fresh_runs import drive
-from ddtree.bench.in_process import (
-    EngineChannel,
-    measure_cell,
-    measuring,
-    run_in_process,  # noqa: F401  (re-exported: tests use it here)
-    write_plan,
-)
 from ddtree.bench.loadgen import RequestRecord, client_pool, run_client, run_requests, tls_verify
 from ddtree.bench.metrics import percentile, records_duration_s
 from ddtree.bench.results import git_commit
 from ddtree.config import SpecConfig
 from ddtree.errors import ConfigError
+from ddtree.profiling.emulated import EmulatedEngine
+from ddtree.profiling.flags import (
+    add_concurrency,
+    add_configs,
+    add_contexts,
+    add_device,
+    add_dtype,
+    add_max_new_tokens,
+    add_models,
+    add_out,
+    add_repeats,
+    parse_configs,
+    resolve_device,
+    tool_parser,
+    torch_dtype,
+)
+from ddtree.profiling.fresh_runs import drive
+from ddtree.profiling.in_process import (
+    EngineChannel,
+    measure_cell,
+    measuring,
+    write_plan,
+)
 from ddtree.service.local import LocalBackend
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 MODES = ("engine", "stream", "plain")  # in process, streaming client, non-streaming client
 
 
@@ -149,12 +162,12 @@ def _mean_round_ms(before: tuple[float, float] | None, after: tuple[float, float
 
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-plan", type=Path, default=None,
-                   help="cells the engine process measures in process on request (ddtree.bench.in_process)")
+                   help="cells the engine process measures in process on request (ddtree.profiling.in_process)")
 
 
 def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
     """The real server (routes, engine process, scheduler, text); with ns.engine_plan, its engine process first
-    measures the batch it serves in process (ddtree.bench.in_process.measuring)."""
+    measures the batch it serves in process (ddtree.profiling.in_process.measuring)."""
     from ddtree.server import serve, setup_logging, start_engine
     from ddtree.serving.args import resolve_args
     from ddtree.serving.engine_worker import open_scheduler
@@ -170,7 +183,7 @@ def _serve(ns: argparse.Namespace, rest: list[str], load: Any) -> int:
 
 
 def serve_model(argv: list[str]) -> int:
-    """`python -m ddtree.bench.http_vs_engine serve --engine-plan P <server flags>`: ddtree.server, whose engine
+    """`python -m ddtree.profiling.http_vs_engine serve --engine-plan P <server flags>`: ddtree.server, whose engine
     process measures its batch in process when the bench asks."""
     from ddtree.server import load_engine
 
@@ -181,7 +194,7 @@ def serve_model(argv: list[str]) -> int:
 
 
 def serve_emulated(argv: list[str]) -> int:
-    """`python -m ddtree.bench.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
+    """`python -m ddtree.profiling.http_vs_engine serve-emulated --round-ms X ... <server flags>`: the real
     server (routes, engine process, scheduler, text) in front of an EmulatedEngine."""
     p = argparse.ArgumentParser(prog="serve-emulated")
     p.add_argument("--round-ms", type=float, required=True)
@@ -211,7 +224,7 @@ def _emulated_engine(args: Any, round_ms: float, prefill_ms: float, tokens_per_r
 class BenchBackend(LocalBackend):
     """The suite's local backend, launching one of this module's serve commands instead of ddtree.server."""
 
-    module = "ddtree.bench.http_vs_engine"
+    module = "ddtree.profiling.http_vs_engine"
 
     def __init__(self, serve_args: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -232,9 +245,10 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) -> LocalBackend:
+def server_backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) -> LocalBackend:
     """The server the bench measures; with a plan, its engine process measures in process on request."""
-    common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter, device=args.device,
+    common: dict[str, Any] = dict(model_path=args.target, draft_model_path=args.drafter,
+                                  device=resolve_device(args.device),
                                   max_running_requests=args.max_running_requests, log_dir=log_dir,
                                   extra_args=server_flags(args))
     measured = [] if plan is None else ["--engine-plan", str(plan)]
@@ -250,15 +264,13 @@ def _backend(args: argparse.Namespace, log_dir: Path, plan: Path | None = None) 
 
 def build_parser() -> argparse.ArgumentParser:
     # no abbreviations: --runs hands the rest of the command line to each run, less its own --runs and --out
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.http_vs_engine", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    p = tool_parser(__name__, __doc__, allow_abbrev=False)
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
-    p.add_argument("--target", type=Path, default=FIXTURES / "target")
-    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
-    p.add_argument("--configs", nargs="+", default=["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"], metavar="ID")
-    p.add_argument("--contexts", nargs="+", type=int, default=[1024], help="prompt tokens")
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], help="requests in flight")
+    add_models(p)
+    add_configs(p, ["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"])
+    add_contexts(p, [1024])
+    add_concurrency(p, [1, 8, 32])
     p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]),
                    help="HTTP clients: stream (SSE, SGLang's cumulative chunks), plain (one JSON answer)")
     p.add_argument("--requests", type=int, default=0, help="requests per repeat (0: max(waves x concurrency, 8))")
@@ -267,26 +279,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "is 0.1-0.25 s on the H200 fixture; more waves steady it, C = 1 keeps its 8)")
     p.add_argument("--client-processes", type=int, default=1,
                    help="HTTP client processes sharing each cell's concurrency (ddtree.bench.loadgen.client_pool)")
-    p.add_argument("--repeats", type=int, default=3)
+    add_repeats(p)
     p.add_argument("--runs", type=int, default=1,
                    help="the whole bench this many times, each in a fresh process with fresh servers; then each cell's "
-                        "median ratio over the runs (ddtree.bench.fresh_runs)")
+                        "median ratio over the runs (ddtree.profiling.fresh_runs)")
     p.add_argument("--in-process", choices=("same", "separate"), default="same",
                    help="where the in-process side runs: same: in the server's own engine process, on the batch it "
                         "serves, each repeat between the HTTP ones with the scheduler paused; separate: an engine "
                         "loaded in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_new_tokens(p)
     p.add_argument("--max-running-requests", type=int, default=32, help="the server's, and the in-process batch's rows")
     add_server_args(p, round_ms=1.0, prefill_ms=2.0)
-    p.add_argument("--out", type=Path, help="JSON file of every row and repeat")
+    add_out(p, "JSON file of every row and repeat")
     return p
 
 
 def add_server_args(p: argparse.ArgumentParser, round_ms: float, prefill_ms: float) -> None:
-    """The flags `_backend` starts a server from (this bench's and ddtree.bench.timeline's)."""
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    """The flags `server_backend` starts a server from (this bench's and ddtree.profiling.timeline's)."""
+    add_device(p)
+    add_dtype(p)
     p.add_argument("--sleep-on-idle", action="store_true", help="the server's: block instead of polling")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="the server's (and the in-process batch's): no round launched before the one before it is read")
@@ -329,10 +341,10 @@ def _load_engine(args: argparse.Namespace) -> Any:
         return EmulatedEngine(codec.vocab_size, 8192, args.round_ms / 1000, args.prefill_ms / 1000,
                               args.tokens_per_round, prefill_token_s=getattr(args, "prefill_token_us", 0.0) / 1e6)
 
-    from ddtree.bench.engine_bench import DTYPES
     from ddtree.engine import Engine
 
-    return Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
+    return Engine.from_pretrained(args.target, args.drafter, device=resolve_device(args.device),
+                                  dtype=torch_dtype(args.dtype))
 
 
 def requests_per_repeat(args: argparse.Namespace, conc: int) -> int:
@@ -345,7 +357,6 @@ def _timed(args: argparse.Namespace, prompts: list[list[int]], conc: int) -> lis
 
 def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[dict[str, Any]]:
     """Every cell's row; on_row(rows so far) after each (main writes --out there, so a run cut short keeps them)."""
-    from ddtree.bench.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.service.readiness import wait_ready
     from ddtree.text import load_tokenizer
@@ -370,7 +381,7 @@ def run(args: argparse.Namespace, log: Any = print, on_row: Any = None) -> list[
         if same:  # a new address and key per server
             address, key = write_plan(plan_path, [(ctx, conc, _timed(args, prompts[ctx], conc)) for ctx, conc in cells],
                                       args.max_new_tokens)
-        backend = _backend(args, log_dir, plan_path if same else None)
+        backend = server_backend(args, log_dir, plan_path if same else None)
         if same:
             log(f"[{spec.id}] in process: in the server's engine process, between the HTTP repeats", flush=True)
         backend.start(spec)
@@ -439,23 +450,20 @@ def main(argv: list[str] | None = None) -> int:
         return serve_emulated(argv[1:])
     if argv[:1] == ["serve"]:
         return serve_model(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.device is None:
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
     try:
         _check(args)
     except ConfigError as err:
-        print(f"python -m ddtree.bench.http_vs_engine: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    meta = {"command": shlex.join(["python", "-m", "ddtree.bench.http_vs_engine", *argv]), "date": started,
+    meta = {"command": shlex.join(["python", "-m", "ddtree.profiling.http_vs_engine", *argv]), "date": started,
             "engine": args.engine, "in_process": args.in_process, "device": args.device,
             "client_processes": args.client_processes,
             "commit": git_commit()}
     if args.runs > 1:
-        return drive("ddtree.bench.http_vs_engine", argv, args.runs, args.out,
+        return drive("ddtree.profiling.http_vs_engine", argv, args.runs, args.out,
                      Path(tempfile.mkdtemp(prefix="ddtree-http-vs-engine-runs-")), meta)
 
     def write(rows: list[dict[str, Any]]) -> None:

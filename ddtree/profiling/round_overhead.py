@@ -1,10 +1,10 @@
-r"""What the server's round loop adds to a decode round: `python -m ddtree.bench.round_overhead`.
+r"""What the server's round loop adds to a decode round: `python -m ddtree.profiling.round_overhead`.
 
-    python -m ddtree.bench.round_overhead --device cuda --configs ar b8-k4-w2048-bs8 bauto-k4-w2048-bs8
-    python -m ddtree.bench.round_overhead --engine zero      # a batch whose rounds cost nothing: the loop alone
+    python -m ddtree.profiling.round_overhead --device cuda --configs ar b8-k4-w2048-bs8 bauto-k4-w2048-bs8
+    python -m ddtree.profiling.round_overhead --engine zero      # a batch whose rounds cost nothing: the loop alone
 
 The same requests (greedy, ignore_eos, all joining at once) run on one batch three ways, in turns:
-"in process" is a closed loop over DecodeBatch.step() (ddtree.bench.http_vs_engine's in-process mode);
+"in process" is a closed loop over DecodeBatch.step() (ddtree.profiling.http_vs_engine's in-process mode);
 "served" is the engine process's Scheduler with its Relay writing every event into a file (no HTTP, no
 text, no reader to wait for): round N's outputs are handed out while round N + 1 runs on the device;
 "served, no overlap" is the same with the batch seen as step() only (each round's outputs handed out
@@ -14,18 +14,7 @@ period between two round launches (what a token costs a request), the mean round
 step()'s time, the quantity the server's ddtree_decode_round_seconds sums), and the period's excess over in process. Medians of `--repeats`.
 Outputs must be the same in every mode (exit status 1 otherwise).
 
-`--burst`: instead, `--rows` requests arrive one every `--spacing-ms` (as the engine process's reader
-queues a burst of HTTP arrivals) at an idle served Scheduler, once per `--holds` GAP:WAIT (its burst_gap_s
-and burst_wait_s in ms; 0:0 admits whatever is queued at every look), in turns with "in process" (all
-prefilled at once): the prefill groups and their ms, TTFT (submit to first token handed out) median and
-p90, the last first token and the last finish after the first submit.
-
-    python -m ddtree.bench.round_overhead --device cuda --configs b8-k4-w2048-bs8 --rows 32 --burst \
-        --spacing-ms 0.15 0.3 --holds 0:0 1:4
-
-`--prefill-costs`: instead, one prefill of k prompts for every k in `--rows` (on one batch of the most
-rows), once per `--prefill-tokens` bound on a forward's padded tokens: ms and forwards, what the burst
-hold weighs (a fixed cost per forward against the tokens').
+How the same scheduler admits a burst of arrivals, and what a prefill costs: ddtree.profiling.burst.
 
 `--engine zero`: a batch of no device and no model (each round makes one token per row and nothing else),
 so a period is the loop's own Python: the scheduler's per-round cost at `--rows` rows on this CPU.
@@ -42,15 +31,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import ConfigError
+from ddtree.profiling.flags import (
+    ToolParser,
+    add_configs,
+    add_context,
+    add_device,
+    add_max_new_tokens,
+    add_models,
+    add_repeats,
+    resolve_device,
+    tool_parser,
+)
 from ddtree.serving.engine_worker import Relay, freeze_heap
-from ddtree.serving.scheduler import BURST_GAP_S, BURST_WAIT_S, SWITCH_INTERVAL_S, Scheduler
+from ddtree.serving.scheduler import SWITCH_INTERVAL_S, Scheduler
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 MODES = ("in process", "served", "served, no overlap", "served, to a pipe")
 
 
@@ -159,7 +158,7 @@ class RoundClock:
                 "rounds": len(self.starts)}
 
 
-def _sync(device: Any) -> None:
+def sync_device(device: Any) -> None:
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
 
@@ -190,7 +189,7 @@ def frame_tokens(frames: list[Any], out: dict[str, list[int]]) -> dict[str, list
 # every frame, as the server's event loop is), decodes every frame and prints the tokens at the pipe's end.
 PIPE_READER = """
 import json, os, sys
-from ddtree.bench.round_overhead import frame_tokens
+from ddtree.profiling.round_overhead import frame_tokens
 from ddtree.serving.wire import FrameReader
 reader, out = FrameReader(), {}
 print("ready", flush=True)
@@ -237,153 +236,7 @@ def served(batch: Any, requests: list[Request], on_gpu: bool, to_pipe: bool = Fa
         return frame_tokens(FrameReader().feed(sent.read()), out)
 
 
-def burst(batch: Any, requests: list[Request], spacing_s: float, gap_s: float, wait_s: float,
-          on_gpu: bool) -> dict[str, Any]:
-    """`requests` submitted to a served Scheduler one every `spacing_s` (as the engine process's reader queues
-    a burst of HTTP arrivals), the scheduler gathering bursts with (gap_s, wait_s): how they were admitted
-    (each prefill group's size and seconds), each request's TTFT (submit to first token handed out), the
-    time from the first submit to the last first token and to the last finish, and the tokens."""
-    from ddtree.serving.wire import FrameReader
-
-    groups: list[tuple[float, int, float]] = []  # (start, requests, seconds) per prefill
-    add_many = batch.add_many
-
-    def timed_add_many(reqs: list[Request]) -> list[StepOutput]:
-        started = time.perf_counter()
-        outputs = add_many(reqs)  # ends with the prefill's one sync (its first tokens read back)
-        groups.append((started, len(reqs), time.perf_counter() - started))
-        return outputs
-
-    submitted: dict[str, float] = {}
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    with tempfile.TemporaryFile() as sent:
-        relay = Relay(sent.fileno())
-
-        def deliver(items: list[tuple[Any, Any]]) -> None:
-            now = time.perf_counter()
-            for _, event in items:
-                rid = event.request_id
-                if rid not in first and getattr(event, "new_token_ids", None):
-                    first[rid] = now
-                if not isinstance(event, StepOutput) or event.finished:
-                    done[rid] = now
-            relay.deliver(items)
-
-        sched = Scheduler(batch, len(requests), relay.metrics, deliver=deliver,
-                          switch_interval_s=SWITCH_INTERVAL_S if on_gpu else None, burst_gap_s=gap_s,
-                          burst_wait_s=wait_s)
-        relay.scheduler = sched
-        batch.add_many = timed_add_many
-        try:
-            sched.start()
-            time.sleep(0.02)  # the thread idle, waiting for work, as a server between bursts
-            start = time.perf_counter()
-            for i, r in enumerate(requests):
-                time.sleep(max(start + i * spacing_s - time.perf_counter(), 0.0))
-                relay.submitted(r.request_id, True)
-                submitted[r.request_id] = time.perf_counter()
-                sched.submit(r, lambda _: None)
-            while sched.in_flight:
-                time.sleep(0.005)
-            sched.stop()
-        finally:
-            del batch.add_many  # the class's own again
-        relay.flush()
-        sent.seek(0)
-        tokens = frame_tokens(FrameReader().feed(sent.read()), {r.request_id: [] for r in requests})
-    t0 = min(submitted.values())
-    ttft = [first[rid] - submitted[rid] for rid in submitted if rid in first]
-    return {"groups": [n for _, n, _ in groups], "prefill_ms": [1e3 * sec for _, _, sec in groups],
-            "ttft_ms": 1e3 * statistics.median(ttft), "p90_ttft_ms": 1e3 * _quantile(ttft, 0.9),
-            "last_first_ms": 1e3 * (max(first.values()) - t0), "span_ms": 1e3 * (max(done.values()) - t0),
-            "arrivals_ms": 1e3 * (max(submitted.values()) - t0), "tokens": tokens}
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def in_process_burst(batch: Any, requests: list[Request]) -> dict[str, Any]:
-    """burst()'s numbers for the in-process loop: every request prefilled at once, then stepped to the end."""
-    start = time.perf_counter()
-    outputs = batch.add_many(requests)
-    prefilled = time.perf_counter()
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    while True:
-        for o in outputs:
-            tokens[o.request_id].extend(o.new_token_ids)
-        if not batch.active:
-            break
-        outputs = batch.step()
-    end = time.perf_counter()
-    ms = 1e3 * (prefilled - start)
-    return {"groups": [len(requests)], "prefill_ms": [ms], "ttft_ms": ms, "p90_ttft_ms": ms, "last_first_ms": ms,
-            "span_ms": 1e3 * (end - start), "arrivals_ms": 0.0, "tokens": tokens}
-
-
-def run_bursts(batch: Any, device: Any, requests: list[Request], spacings_s: list[float],
-               holds: list[tuple[float, float]], repeats: int, on_gpu: bool) -> list[dict[str, Any]]:
-    """Per arrival spacing and hold (gap_s, wait_s), the medians over `repeats` of burst()'s numbers (the
-    groups of the median-span repeat), in turns with the in-process reference; tokens checked against it."""
-    on_a_thread(in_process, batch, requests)  # untimed: graphs captured, caches warm
-    auto = choice_state(batch)
-    cases: list[tuple[float | None, tuple[float, float] | None]] = [(None, None)]
-    cases += [(sp, hold) for sp in spacings_s for hold in holds]
-    results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(cases))}
-    reference = None
-    for _ in range(repeats):
-        for i, (spacing, hold) in enumerate(cases):
-            restore_choice_state(batch, auto)
-            _sync(device)
-            if spacing is None or hold is None:
-                r = on_a_thread(in_process_burst, batch, requests)
-            else:
-                r = burst(batch, requests, spacing, hold[0], hold[1], on_gpu)
-            reference = r["tokens"] if reference is None else reference
-            r["mismatched"] = sum(1 for rid, t in r.pop("tokens").items() if t != reference[rid])
-            results[i].append(r)
-    rows = []
-    for i, (spacing, hold) in enumerate(cases):
-        reps = results[i]
-        mid = sorted(reps, key=lambda r: r["span_ms"])[len(reps) // 2]
-        row = {k: statistics.median(r[k] for r in reps) for k in ("ttft_ms", "p90_ttft_ms", "last_first_ms", "span_ms", "arrivals_ms")}
-        row.update(mode="in process" if spacing is None else "served", spacing_ms=None if spacing is None else 1e3 * spacing,
-                   gap_ms=None if hold is None else 1e3 * hold[0], wait_ms=None if hold is None else 1e3 * hold[1],
-                   groups=mid["groups"], prefill_ms=[round(x, 2) for x in mid["prefill_ms"]],
-                   mismatched=sum(r["mismatched"] for r in reps))
-        rows.append(row)
-    return rows
-
-
-def prefill_costs(batch: Any, device: Any, prompts: list[list[int]], sizes: list[int], bounds: list[int],
-                  repeats: int) -> list[dict[str, Any]]:
-    """What one prefill (add_many) of k of `prompts` takes, for k in `sizes`, with the batch's bound on a
-    forward's padded tokens set to each of `bounds` (DecodeBatch.prefill_tokens): median ms of `repeats`
-    (after one untimed), and the forwards it was cut into. The batch is emptied after each."""
-    from ddtree.prefill import prefill_chunks
-
-    rows = []
-    for bound in bounds:
-        for k in sizes:
-            requests = [Request(f"p{i}", list(prompts[i % len(prompts)]), 1, ignore_eos=True) for i in range(k)]
-            batch.prefill_tokens = bound
-            times = []
-            for rep in range(repeats + 1):
-                _sync(device)
-                started = time.perf_counter()
-                batch.add_many(requests)  # its first tokens read back: the one sync
-                if rep:
-                    times.append(time.perf_counter() - started)
-                batch.clear()
-            forwards = len(prefill_chunks([len(r.prompt_ids) for r in requests], bound, batch.forward_cost))
-            rows.append({"prefill_tokens": bound, "requests": k, "forwards": forwards,
-                         "ms": 1e3 * statistics.median(times)})
-    return rows
-
-
-# One thread for the loops timed in process, kept across calls (ddtree.bench.http_vs_engine uses it too)
+# One thread for the loops timed in process, kept across calls (ddtree.profiling.http_vs_engine uses it too)
 _ROUND_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="in-process-rounds")
 
 
@@ -422,14 +275,14 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
     for _ in range(repeats):
         for mode in modes:  # in turns: a drifting machine moves every mode alike
             restore_choice_state(batch, auto)
-            _sync(device)
+            sync_device(device)
             clock.reset()
             if mode == "in process":
                 tokens = on_a_thread(in_process, batch, requests)
             else:
                 tokens = served(StepOnly(batch) if mode == "served, no overlap" else batch, requests, on_gpu,
                                 to_pipe=mode == "served, to a pipe")
-            _sync(device)
+            sync_device(device)
             results[mode].append(clock.summary())
             reference = tokens if reference is None else reference
             mismatched[mode] += sum(1 for rid in tokens if tokens[rid] != reference[rid])
@@ -443,104 +296,63 @@ def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, o
     return row
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.round_overhead", description=__doc__.splitlines()[0])
+# -- the batch both round_overhead and burst drive -------------------------------------------------------
+def add_batch_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the batch (this tool's and ddtree.profiling.burst's)."""
     p.add_argument("--engine", choices=("model", "zero", "emulated"), default="model",
-                   help="emulated: ddtree.bench.http_vs_engine's batch (--round-ms, --prefill-ms, --prefill-token-us)")
+                   help="emulated: ddtree.profiling.emulated's batch (--round-ms, --prefill-ms, --prefill-token-us)")
     p.add_argument("--round-ms", type=float, default=1.0, help="emulated: a round's GIL-free wait")
     p.add_argument("--prefill-ms", type=float, default=2.0, help="emulated: a prefill forward's fixed wait")
     p.add_argument("--prefill-token-us", type=float, default=0.0, help="emulated: a prefill's wait per padded token")
-    p.add_argument("--target", type=Path, default=FIXTURES / "target")
-    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
-    p.add_argument("--configs", nargs="+", default=["ar", "b8-k4-w2048-bs8", "bauto-k4-w2048-bs8"], metavar="ID")
+    add_models(p)
+    add_configs(p, ["ar", "b8-k4-w2048-bs8", "bauto-k4-w2048-bs8"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 32], help="requests running together")
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens (model)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]), help="served modes timed beside in process")
+    add_context(p)
+    add_max_new_tokens(p)
+    add_repeats(p)
     p.add_argument("--batch-rows", type=int, default=0, help="model: slots of the batch (at least --rows; the server's: 32)")
     p.add_argument("--warm", choices=("no", "yes", "both"), default="no",
                    help="model: run the server's graph warm-up on the batch first (its captures, in its order); "
                         "both: each config on a fresh batch without, then on one with")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--prefill-costs", action="store_true",
-                   help="instead: one prefill of k prompts for k in --rows, per --prefill-tokens bound (model only)")
-    p.add_argument("--prefill-tokens", nargs="+", type=int, default=[8192], help="prefill costs: padded tokens a forward")
-    p.add_argument("--burst", action="store_true",
-                   help="instead: `--rows` requests arriving one every --spacing-ms, gathered per --holds")
-    p.add_argument("--spacing-ms", nargs="+", type=float, default=[0.3], help="burst: between two arrivals")
-    p.add_argument("--holds", nargs="+", default=["0:0", f"{1e3 * BURST_GAP_S:g}:{1e3 * BURST_WAIT_S:g}"],
-                   metavar="GAP:WAIT", help="burst: the scheduler's burst_gap_s and burst_wait_s, in ms (0:0: none)")
-    return p
+    add_device(p)
 
 
-def parse_hold(text: str) -> tuple[float, float]:
-    try:
-        gap, wait = (float(x) / 1e3 for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--holds: {text!r} is not GAP:WAIT in ms (e.g. 1:4)") from None
-    if gap < 0 or wait < 0:
-        raise ConfigError(f"--holds: {text!r} out of range (allowed >= 0)")
-    return gap, wait
-
-
-def print_bursts(config_id: str, rows: int, results: list[dict[str, Any]]) -> None:
-    for r in results:
-        how = "at once" if r["mode"] == "in process" else f"{r['spacing_ms']:g} ms, {r['gap_ms']:g}:{r['wait_ms']:g}"
-        print(f"{config_id:20} {rows:4} {r['mode']:10} {how:18} {r['arrivals_ms']:8.2f} {r['ttft_ms']:8.2f} "
-              f"{r['p90_ttft_ms']:8.2f} {r['last_first_ms']:9.2f} {r['span_ms']:8.1f}  {r['groups']} {r['prefill_ms']}",
-              flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_batch_flags(args: argparse.Namespace) -> None:
     bad = [f"{flag}: {v}" for flag, vals in (("--rows", args.rows), ("--repeats", [args.repeats]),
                                               ("--context", [args.context]),
                                               ("--max-new-tokens", [args.max_new_tokens])) for v in vals if v < 1]
     if bad:
-        print(f"python -m ddtree.bench.round_overhead: error: {', '.join(bad)} out of range (allowed >= 1)",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"{', '.join(bad)} out of range (allowed >= 1)")
+
+
+# measure(label, rows, batch, device, prompts, requests, on_gpu) -> whether every output matched
+Measure = Callable[[str, int, Any, Any, list[list[int]], list[Request], bool], bool]
+
+
+def run_batches(args: argparse.Namespace, parser: ToolParser, row_counts: list[int], measure: Measure) -> int:
+    """measure() on every batch the flags name: each config (or the batch of no model), without and/or with the
+    server's warm-up, at each of `row_counts`; exit status 1 when a measure's outputs differed, 2 on a bad id."""
     engine = device = codec = None
     if args.engine == "model":
-        import torch
-
         from ddtree.engine import Engine
         from ddtree.text import load_tokenizer
 
-        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        args.device = resolve_device(args.device)
         engine = Engine.from_pretrained(args.target, args.drafter, device=args.device)
         device, codec = engine.device, load_tokenizer(args.target)
-    try:
-        holds = [parse_hold(h) for h in args.holds]
-    except ConfigError as err:
-        print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
-        return 2
-    if any(sp < 0 for sp in args.spacing_ms):
-        print("python -m ddtree.bench.round_overhead: error: --spacing-ms out of range (allowed >= 0)", file=sys.stderr)
-        return 2
     on_gpu = getattr(device, "type", None) == "cuda"
     freeze_heap()  # as the engine process does once loaded: no full collection walks the start-up heap
-    if args.prefill_costs:
-        pass  # one line per prefill
-    elif args.burst:
-        print(f"{'config':20} {'rows':>4} {'mode':10} {'spacing, gap:wait':18} {'arrivals':>8} {'TTFT ms':>8} {'p90':>8} "
-              f"{'last 1st':>9} {'span ms':>8}  groups, prefill ms")
-    else:
-        print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
     failed = []
     warms = {"no": [False], "yes": [True], "both": [False, True]}[args.warm] if engine is not None else [False]
     for config_id, warmed in [(c, w) for c in (args.configs if engine is not None else [args.engine]) for w in warms]:
         label = f"{config_id} warmed" if warmed else config_id
-        for rows in args.rows:
-            if args.prefill_costs and rows != max(args.rows):
-                continue  # one batch of the most rows: every size is prefilled on it
+        for rows in row_counts:
             if args.engine == "zero":
                 batch: Any = ZeroBatch(rows)
                 prompts = [[1]] * rows
             elif args.engine == "emulated":
-                from ddtree.bench.emulated import EmulatedBatch
                 from ddtree.config import SpecConfig
+                from ddtree.profiling.emulated import EmulatedBatch
 
                 batch = EmulatedBatch(SpecConfig.from_id("ar"), rows, args.context + args.max_new_tokens,
                                       args.round_ms / 1e3, args.prefill_ms / 1e3, 1, args.prefill_token_us / 1e6)
@@ -552,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     spec = SpecConfig.from_id(config_id)
                 except ConfigError as err:
-                    print(f"python -m ddtree.bench.round_overhead: error: {err}", file=sys.stderr)
-                    return 2
+                    return parser.fail(err)
                 slots = max(rows, args.batch_rows)
                 batch = engine.open_batch(spec, slots, args.context + args.max_new_tokens + spec.max_nodes)
                 if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
@@ -562,31 +373,42 @@ def main(argv: list[str] | None = None) -> int:
                     on_a_thread(warm._warm_up)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
-            if args.prefill_costs:
-                for c in on_a_thread(prefill_costs, batch, device, prompts, sorted(args.rows), args.prefill_tokens,
-                                     args.repeats):
-                    print(f"{label:20} prefill of {c['requests']:3} x {args.context} tokens, bound "
-                          f"{c['prefill_tokens']:6}: {c['forwards']:2} forwards, {c['ms']:8.2f} ms", flush=True)
-                continue
-            if args.burst:
-                results = run_bursts(batch, device, requests, [sp / 1e3 for sp in args.spacing_ms], holds,
-                                     args.repeats, on_gpu)
-                print_bursts(label, rows, results)
-                if any(r["mismatched"] for r in results):
-                    failed.append(f"{label} rows {rows}")
-                continue
-            modes = tuple(m for m in MODES if m == MODES[0] or m in args.modes)
-            row = run_config(batch, device, requests, args.repeats, on_gpu, modes)
-            for mode in modes:
-                m = row[mode]
-                excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
-                print(f"{label:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
-                      f"{m['rounds']:6.0f}", flush=True)
-            if any(row["mismatched"].values()):
+            if not measure(label, rows, batch, device, prompts, requests, on_gpu):
                 failed.append(f"{label} rows {rows}")
     if failed:
         print(f"outputs differ between the modes: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+# -- entry ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = tool_parser(__name__, __doc__)
+    add_batch_flags(p)
+    p.add_argument("--modes", nargs="+", choices=MODES[1:], default=list(MODES[1:]), help="served modes timed beside in process")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_batch_flags(args)
+    except ConfigError as err:
+        return parser.fail(err)
+    modes = tuple(m for m in MODES if m == MODES[0] or m in args.modes)
+
+    def measure(label: str, rows: int, batch: Any, device: Any, prompts: list[list[int]], requests: list[Request],
+                on_gpu: bool) -> bool:
+        row = run_config(batch, device, requests, args.repeats, on_gpu, modes)
+        for mode in modes:
+            m = row[mode]
+            excess = f"{m['excess_us']:9.1f}" if "excess_us" in m else f"{'':9}"
+            print(f"{label:20} {rows:4} {mode:20} {m['period_us']:10.1f} {m['round_us']:9.1f} {excess} "
+                  f"{m['rounds']:6.0f}", flush=True)
+        return not any(row["mismatched"].values())
+
+    print(f"{'config':20} {'rows':>4} {'mode':20} {'period us':>10} {'round us':>9} {'excess us':>9} {'rounds':>6}")
+    return run_batches(args, parser, args.rows, measure)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
     EmulatedBatch(spec, max_batch, max_len, round_s, prefill_s, tokens_per_round, prefill_token_s=0.0)
     EmulatedEngine(vocab_size, max_context, round_s, prefill_s, tokens_per_round)   # opens EmulatedBatches
 
-What ddtree.bench.http_vs_engine (`--engine emulated`, and its serve-emulated server) and
-ddtree.bench.round_overhead (`--engine emulated`) put in front of the server when there is no model to run.
+What ddtree.profiling.http_vs_engine (`--engine emulated`, and its serve-emulated server) and
+ddtree.profiling.round_overhead and ddtree.profiling.burst (`--engine emulated`) put in front of the server when there
+is no model to run; the scheduler's and the engine process's unit tests drive it too.
 """
 
 from __future__ import annotations

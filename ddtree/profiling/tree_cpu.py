@@ -1,6 +1,6 @@
 """CPU timing of one DDTree round's tree work, per request: the heap reference vs the batched code.
 
-`python -m ddtree.bench.tree_cpu` prints a markdown table (docs/perf.md, tree ops): for each (batch rows,
+`python -m ddtree.profiling.tree_cpu` prints a markdown table (docs/perf.md, tree ops): for each (batch rows,
 budget, topk, depth) the heap path (ddtree.tree's per-request reference, a Python loop over rows) against
 the batched path, for the vocabulary pass, the build, the selection alone, the tree work after the
 vocabulary pass and a whole round (build + compile + walk).
@@ -8,22 +8,24 @@ vocabulary pass and a whole round (build + compile + walk).
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
 import torch
 
+from ddtree.profiling.flags import add_repeats, tool_parser
 from ddtree.tree import (
     DraftTree,
     DraftTrees,
-    _batched_trees,
-    _heap_tree,
     build_tree,
     build_trees,
     compile_tree,
     compile_trees,
     follow_tree,
     follow_trees,
+    select_tree,
+    select_trees,
     top_log_probs,
     top_log_probs_fast,
 )
@@ -75,13 +77,13 @@ def _round_cases(logits: torch.Tensor, budget: int, topk: int) -> dict[str, Call
         return run
 
     def heap_select(r: int) -> DraftTree:
-        return _heap_tree(lp[r], ids[r], budget)
+        return select_tree(lp[r], ids[r], budget)
 
     def heap_build(r: int) -> DraftTree:
         return build_tree(logits[r], budget, topk)
 
     def batched_select() -> DraftTrees:
-        return _batched_trees(lp, ids, budget)
+        return select_trees(lp, ids, budget)
 
     def batched_build() -> DraftTrees:
         return build_trees(logits, budget, topk)
@@ -142,18 +144,21 @@ def _print_table(rows: list[dict[str, float]]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m ddtree.bench.tree_cpu", description=benchmark_cpu.__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = tool_parser(__name__, __doc__)
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--budget", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--topk", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--depth", type=int, nargs="+", default=[7, 15], help="L = block_size - 1")
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=9, help="the best of this many runs is reported")
+    add_repeats(parser, help="the best of this many runs is reported")
+    parser.set_defaults(repeats=9)  # steps of tens of microseconds: the best of more runs, for a steady minimum
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(

@@ -1,7 +1,7 @@
-r"""Where a request's time goes on its way through the server: `python -m ddtree.bench.timeline`.
+r"""Where a request's time goes on its way through the server: `python -m ddtree.profiling.timeline`.
 
-    python -m ddtree.bench.timeline --device cuda --configs ar b4-k4-w2048-bs8 --context 1024 --requests 50
-    python -m ddtree.bench.timeline --engine emulated --round-ms 0.25 --prefill-ms 1    # no GPU
+    python -m ddtree.profiling.timeline --device cuda --configs ar b4-k4-w2048-bs8 --context 1024 --requests 50
+    python -m ddtree.profiling.timeline --engine emulated --round-ms 0.25 --prefill-ms 1    # no GPU
 
 Per config one server is started with DDTREE_TIMELINE set (ddtree.serving.stamps: the HTTP process and the
 engine process stamp each request's stages) and sent `--requests` requests one at a time (the closed loop of
@@ -52,12 +52,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ddtree.bench import http_vs_engine
 from ddtree.bench.loadgen import RequestRecord, run_client, run_requests
 from ddtree.errors import ConfigError
+from ddtree.profiling import http_vs_engine
+from ddtree.profiling.flags import (
+    add_configs,
+    add_context,
+    add_max_new_tokens,
+    add_models,
+    parse_configs,
+    resolve_device,
+    tool_parser,
+)
 from ddtree.serving import stamps
-
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "models"
 
 STREAM_STAGES = ("c_send", "h_in", "h_asgi", "h_body", "h_parsed", "h_submit", "e_read", "e_admit", "e_prefilled",
                  "e_first_out", "h_first_event", "h_first_chunk", "c_first", "e_last", "e_last_out", "h_last_event",
@@ -143,17 +150,16 @@ def format_table(config: str, mode: str, table: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.timeline", description=__doc__.splitlines()[0])
+    p = tool_parser(__name__, __doc__)
     p.add_argument("--engine", choices=("model", "emulated"), default="model",
                    help="model: the target/drafter pair; emulated: a batch of fixed round time (no GPU needed)")
-    p.add_argument("--target", type=Path, default=FIXTURES / "target")
-    p.add_argument("--drafter", type=Path, default=FIXTURES / "drafter")
-    p.add_argument("--configs", nargs="+", default=["ar"], metavar="ID")
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    add_models(p)
+    add_configs(p, ["ar"])
+    add_context(p)
     p.add_argument("--requests", type=int, default=40, help="timed requests per mode, one at a time")
     p.add_argument("--warmup", type=int, default=4, help="untimed requests per mode first")
     p.add_argument("--modes", nargs="+", choices=("stream", "plain"), default=["stream", "plain"])
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_max_new_tokens(p)
     p.add_argument("--max-running-requests", type=int, default=32)
     http_vs_engine.add_server_args(p, round_ms=0.25, prefill_ms=1.0)
     p.add_argument("--out", type=Path, help="folder: timeline.json (tables and every request's stamps), server logs")
@@ -181,7 +187,7 @@ def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], fo
     stamp_dir.mkdir(parents=True, exist_ok=True)
     for old in stamp_dir.glob("*.tsv"):
         old.unlink()
-    backend = http_vs_engine._backend(args, folder)  # the server started as the HTTP bench starts it
+    backend = http_vs_engine.server_backend(args, folder)  # the server started as the HTTP bench starts it
     backend.env[stamps.ENV] = str(stamp_dir)
     warm, timed = prompts[:args.warmup], prompts[args.warmup:]
     records: dict[str, list[RequestRecord]] = {}
@@ -211,27 +217,26 @@ def run_config(args: argparse.Namespace, spec: Any, prompts: list[list[int]], fo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddtree.bench.engine_bench import parse_configs
     from ddtree.bench.prompts import code_prompts
     from ddtree.text import load_tokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.device is None:
-        args.device = "cpu" if args.engine == "emulated" else _default_device()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "auto":  # an emulated engine never touches a device
+        args.device = "cpu" if args.engine == "emulated" else resolve_device(args.device)
     try:
         _check(args)
         specs = parse_configs(args.configs)
     except ConfigError as err:
-        print(f"python -m ddtree.bench.timeline: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
     folder = args.out or Path(tempfile.mkdtemp(prefix="ddtree-timeline-"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"stamps and server logs: {folder}", flush=True)
     codec = load_tokenizer(args.target)
     prompts = code_prompts(codec, args.context, args.warmup + args.requests)
     result: dict[str, Any] = {"meta": {
-        "command": shlex.join(["python", "-m", "ddtree.bench.timeline", *argv]),
+        "command": shlex.join(["python", "-m", "ddtree.profiling.timeline", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "engine": args.engine, "device": args.device,
         "cpus": os.cpu_count()}, "configs": {}}
     bad = False
@@ -241,12 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         bad = bad or any(found[m]["problems"] for m in args.modes)
         (folder / "timeline.json").write_text(json.dumps(result, indent=1) + "\n")
     return 1 if bad else 0
-
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Acceptance and speed of AR, DFLASH and DDTREE side by side on held-out code, in one process.
 
-    python -m ddtree.bench.acceptance --target fixtures/models/target --drafter fixtures/models/drafter \
+    python -m ddtree.profiling.acceptance --target fixtures/models/target --drafter fixtures/models/drafter \
         --configs dflash-w2048-bs8 b8-k4-w2048-bs8 --prompts 8 --context 256 --max-new-tokens 96
 
 Prompts are cut from the held-out code files (the target's training manifest names them) to an
@@ -21,6 +21,16 @@ import torch
 
 from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import Engine
+from ddtree.profiling.flags import (
+    add_configs,
+    add_context,
+    add_device,
+    add_max_new_tokens,
+    add_models,
+    add_out,
+    resolve_device,
+    tool_parser,
+)
 from ddtree.text import load_tokenizer
 
 # The fixture model card's table: the DFlash chain, and DDTREE at (budget, topk) = (4,4), (8,4), (12,6),
@@ -110,24 +120,30 @@ def measure(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.acceptance", description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=Path("fixtures/models/target"))
-    p.add_argument("--drafter", type=Path, default=Path("fixtures/models/drafter"))
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+def build_parser() -> argparse.ArgumentParser:
+    p = tool_parser(__name__, __doc__)
+    add_models(p)
+    add_configs(p, DEFAULT_CONFIGS)
     p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    add_context(p)
+    add_max_new_tokens(p)
+    # the fixture model card's acceptance table was measured at 256 prompt tokens and 96 new ones
+    p.set_defaults(context=256, max_new_tokens=96)
     p.add_argument("--batch", type=int, default=8, help="prompts per engine.generate call")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    add_device(p)
+    add_out(p, "write the results as JSON here")
     p.add_argument("--stdlib-root", type=Path, default=None,
                    help="where the card's held-out files are (default: this Python's stdlib)")
     p.add_argument("--per-file", type=int, default=1, help="at most this many non-overlapping prompts per file")
     p.add_argument("--source-dir", type=Path, default=None,
                    help="cut the prompts from this folder's .py files instead (ddtree.bench.prompts.code_prompts: "
                         "consecutive windows of the sorted files): other code than the held-out files")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.device = resolve_device(args.device)
 
     prompts = source_prompts(args) if args.source_dir is not None else heldout_prompts(
         args.target, args.prompts, args.context, args.stdlib_root, args.per_file)

@@ -1,4 +1,4 @@
-"""The in-process side of ddtree.bench.http_vs_engine: a closed loop over a batch, and where it runs.
+"""The in-process side of ddtree.profiling.http_vs_engine: a closed loop over a batch, and where it runs.
 
     run_in_process(engine, batch, prompts, concurrency, max_new_tokens) -> [RequestRecord]
     write_plan(path, cells, max_new_tokens) -> address, key   # the bench: the cells the engine process measures
@@ -6,7 +6,7 @@
     EngineChannel(address, key).measure(i) -> {"records": [RequestRecord], "round_ms": float | None}
 
 Why the server's own engine process (`--in-process same`, the default): on the H200 host a fixture
-round's time moves by up to ~8% from one process start to the next (ddtree.bench.fresh_runs), the
+round's time moves by up to ~8% from one process start to the next (ddtree.profiling.fresh_runs), the
 in-process batch's and the server's alike, so a batch in the bench's process against the server's batch
 in its engine process compares two starts as much as it measures HTTP. Measured in the engine process,
 on the batch it serves (same graphs, same memory, same CPUs), in the state it serves in (after the
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.loadgen import RequestRecord
-from ddtree.bench.round_overhead import on_a_thread
 from ddtree.engine import Request, StepOutput
+from ddtree.profiling.round_overhead import on_a_thread
 from ddtree.serving.engine_worker import freeze_heap
 
 

@@ -1,9 +1,9 @@
-r"""Paired timing of a few configs in one cell: `python -m ddtree.bench.paired`.
+r"""Paired timing of a few configs in one cell: `python -m ddtree.profiling.paired`.
 
-    python -m ddtree.bench.paired --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 --context 1024 \
+    python -m ddtree.profiling.paired --configs ar dflash-w2048-bs8 b4-k4-w2048-bs8 --context 1024 \
         --concurrency 1 --pairs 10 --device cuda --out paired.json
 
-`python -m ddtree.bench` runs each config's repeats back to back, so a drift of the machine between two
+`python -m ddtree.profiling.engine_bench` runs each config's repeats back to back, so a drift of the machine between two
 configs (clocks, a busy host) lands in their ratio. Here every round times one generate of each config in
 turn (each round starting one config later, so no config always follows the same one), and the ratios
 (speed-up over AR, efficiency = speed-up / tau) are taken within a round, then summarised as median, min
@@ -23,25 +23,28 @@ import sys
 import time
 from collections import Counter
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddtree.bench.engine_bench import (
-    DTYPES,
-    FIXTURE_DRAFTER,
-    FIXTURE_TARGET,
-    Cell,
-    cell_prompts,
-    check_positive,
-    check_prompt_source,
-    parse_configs,
-    skip_reason,
-)
 from ddtree.config import SpecConfig
 from ddtree.engine import POOLED_BATCHES, Engine
 from ddtree.errors import ConfigError
+from ddtree.profiling.engine_bench import Cell, cell_prompts, check_prompt_source, skip_reason
+from ddtree.profiling.flags import (
+    add_configs,
+    add_context,
+    add_device,
+    add_dtype,
+    add_max_new_tokens,
+    add_models,
+    add_out,
+    check_positive,
+    parse_configs,
+    resolve_device,
+    tool_parser,
+    torch_dtype,
+)
 
 
 def _timed_generate(engine: Engine, prompts: list[list[int]], spec: SpecConfig, max_new_tokens: int,
@@ -115,24 +118,25 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.paired", description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=FIXTURE_TARGET)
-    p.add_argument("--drafter", type=Path, default=FIXTURE_DRAFTER)
-    p.add_argument("--configs", nargs="+", default=["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"], metavar="ID",
-                   help="config ids; AR is added first when missing (every ratio is against it)")
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    p = tool_parser(__name__, __doc__)
+    add_models(p)
+    add_configs(p, ["ar", "dflash-w2048-bs8", "b4-k4-w2048-bs8"],
+                help="config ids; AR is added first when missing (every ratio is against it)")
+    add_context(p)
     p.add_argument("--concurrency", type=int, default=1, help="prompts decoded together")
     p.add_argument("--pairs", type=int, default=10, help="timed rounds (each times every config once)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the config's dtype on GPU, float32 on CPU")
-    p.add_argument("--out", type=Path, help="JSON file of the rows and every round's tok/s")
+    add_max_new_tokens(p)
+    add_device(p)
+    add_dtype(p)
+    add_out(p, "JSON file of the rows and every round's tok/s")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
     try:  # every argument is checked before a model is loaded
         specs = parse_configs(args.configs)
         for flag, value in (("--context", args.context), ("--concurrency", args.concurrency),
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--configs: {len(specs)} configs (AR included) is out of range (allowed 1..{POOLED_BATCHES}: "
                               "each keeps its batch and graphs alive across the rounds)")
         check_prompt_source(args.target)
-        engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=DTYPES[args.dtype])
+        engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, dtype=torch_dtype(args.dtype))
         cell = Cell(args.context, args.concurrency)
         reason = skip_reason(engine, cell, args.max_new_tokens)
         if reason:
@@ -151,13 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         if not prompts:
             raise ConfigError(f"--context: no held-out file of {args.context}+ tokens under {args.target}")
     except ConfigError as err:
-        print(f"python -m ddtree.bench.paired: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
     rows = run_pairs(engine, prompts, specs, args.max_new_tokens, args.pairs)
     name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     print(f"context {args.context}, concurrency {args.concurrency}, {args.pairs} rounds, {name}\n{format_rows(rows)}")
     if args.out:
-        meta = {"command": shlex.join(["python", "-m", "ddtree.bench.paired", *argv]), "device_name": name,
+        meta = {"command": shlex.join(["python", "-m", "ddtree.profiling.paired", *argv]), "device_name": name,
                 "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "context": args.context, "concurrency": args.concurrency, "pairs": args.pairs,
                 "max_new_tokens": args.max_new_tokens}

@@ -1,9 +1,9 @@
 r"""The engine at real model width: HBM floors, kernel profiles of an AR step and a verify step, kernel
 variants side by side, engine rounds by tree size, and transformers' own Qwen3 as the peer.
 
-    python -m ddtree.bench.real_width --shapes 1b 8b --device cuda --out-dir /tmp/real_width
+    python -m ddtree.profiling.real_width --shapes 1b 8b --device cuda --out-dir /tmp/real_width
 
-RANDOM WEIGHTS: the pairs come from ddtree.bench.random_models, built in memory on the device (an 8b
+RANDOM WEIGHTS: the pairs come from ddtree.profiling.random_models, built in memory on the device (an 8b
 folder would be 16 GB to write and read back); only timings mean something. Per shape:
 
 1. The floor: the bytes a step must read (the target's weights, and the KV cache at the context) over a
@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
-import inspect
 import json
 import statistics
 import sys
@@ -42,8 +40,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddtree.bench.hbm import copy_bandwidth, step_bytes
-from ddtree.bench.random_models import SHAPES, random_drafter, random_models, shape_of
 from ddtree.config import SpecConfig
 from ddtree.engine import Engine, Request
 from ddtree.kernels import residual_norm
@@ -51,6 +47,11 @@ from ddtree.kernels.fused_linear import fused_linear_triton
 from ddtree.kernels.skinny_gemm import Tiles, skinny_linear, skinny_linear_reference
 from ddtree.models import layers
 from ddtree.models import target as target_module
+from ddtree.profiling.flags import add_context, add_device, resolve_device, tool_parser
+from ddtree.profiling.hbm import copy_bandwidth, step_bytes
+from ddtree.profiling.kernel_profile import Replay, free_memory, kernel_table, sync_device
+from ddtree.profiling.peer import peer_part
+from ddtree.profiling.random_models import SHAPES, random_drafter, random_models
 
 # name -> (fused add+norm and SwiGLU kernels, rows up to which linears run the skinny Triton GEMM, its tiles,
 # BLAS, norms and residual adds inside the skinny GEMMs; off, the layers keep their add + norm kernels).
@@ -76,113 +77,6 @@ SKINNY_SWEEP += [Tiles(block_n=bn, block_k=bk, split=sp, stages=st, warps=w)
                  for bn, bk in ((64, 256), (128, 128)) for sp in (1, 2, 3) for st in (3, 5) for w in (4, 8)]
 L2_MISS_BYTES = 256 << 20  # weight copies per GEMM timing add up to at least this (the H200's L2 is 60 MB)
 TREE_CONFIGS = ["b4-k4-w2048-bs8", "b8-k4-w2048-bs8", "b16-k4-w2048-bs8", "b32-k8-w2048-bs8", "b64-k8-w2048-bs8"]
-
-
-# -- measuring -------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Replay:
-    """fn captured as a CUDA graph (eager on the CPU); `time()` is the median of `repeats` replays in ms."""
-
-    def __init__(self, fn: Callable[[], Any], device: torch.device) -> None:
-        self.fn, self.device, self.graph = fn, device, None
-        if device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                fn()
-                fn()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = fn()
-        else:
-            self.out = fn()
-
-    def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.fn()
-
-    def time(self, repeats: int = 20) -> float:
-        for _ in range(3):
-            self()
-        times = []
-        for _ in range(repeats):
-            _sync(self.device)
-            t0 = time.perf_counter()
-            self()
-            _sync(self.device)
-            times.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(times)
-
-
-KINDS = [  # (kind, name fragments), first match wins
-    ("triton gemv", ("_fused_linear_kernel",)),
-    ("skinny gemm (triton)", ("_skinny_kernel",)),
-    ("gemm (cuBLAS)", ("gemm", "gemv", "cutlass", "nvjet", "splitk", "xmma", "cublas")),
-    ("attention", ("tree_attention", "_attn", "flash", "fmha", "sdpa")),
-    ("q/k norm + rope", ("norm_rope",)),
-    ("add + rmsnorm (triton)", ("_add_rms_norm",)),
-    ("silu * up (triton)", ("_silu_mul",)),
-    ("norm (torch)", ("norm",)),
-    ("tree ops, walk, compaction", ("tree", "_top", "compact", "accepted", "follow", "budget")),
-    ("reduce / argmax", ("reduce", "argmax", "max")),
-    ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter", "fill")),
-    ("elementwise (torch)", ("elementwise",)),
-]
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, parts in KINDS:
-        if any(p in low for p in parts):
-            return kind
-    return "other"
-
-
-def kernel_table(run: Callable[[], None], device: torch.device, steps: int = 5) -> dict[str, Any]:
-    """The profiler's device kernels over `steps` calls of run: per kernel name, launches and us per step.
-
-    On the CPU (no kernels) the aten ops' self CPU time stands in. CUPTI reports the kernels inside a graph
-    replay one by one, so a replayed step lists what it launched."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    _sync(device)
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            run()
-        _sync(device)
-    rows: dict[str, list[float]] = {}
-    for e in prof.key_averages():
-        if cuda:
-            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-                continue
-            us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "device_time_total", 0.0))
-        else:
-            if not e.key.startswith("aten::"):
-                continue
-            us = float(e.self_cpu_time_total)
-        if us <= 0:
-            continue
-        count, total = rows.get(e.key, [0.0, 0.0])
-        rows[e.key] = [count + e.count / steps, total + us / steps]
-    kernels = sorted(({"name": k, "launches": c, "us": t, "kind": kind_of(k)} for k, (c, t) in rows.items()),
-                     key=lambda r: -r["us"])
-    kinds: dict[str, dict[str, float]] = {}
-    for r in kernels:
-        k = kinds.setdefault(r["kind"], {"launches": 0.0, "us": 0.0})
-        k["launches"] += r["launches"]
-        k["us"] += r["us"]
-    return {"kernels": kernels, "kinds": kinds, "total_us": sum(r["us"] for r in kernels),
-            "launches": sum(r["launches"] for r in kernels)}
 
 
 @contextlib.contextmanager
@@ -331,7 +225,7 @@ def forward_part(engine: Engine, context: int, batches: list[int], variants: lis
                             row["profile"] = kernel_table(replay.fn, engine.device)
                             row["profile"]["eager"] = True
                 del replay
-                _free(engine.device)
+                free_memory(engine.device)
                 rows.append(row)
                 print(f"  forward bs {bs:2} q {q}: {name:20} {row['ms']:.3f} ms", flush=True)
     return rows
@@ -352,7 +246,7 @@ def engine_rounds(engine: Engine, config: str, bs: int, context: int, steps: int
             batch.step()
         times = []
         for _ in range(steps):
-            _sync(engine.device)
+            sync_device(engine.device)
             t0 = time.perf_counter()
             batch.step()
             times.append(1000 * (time.perf_counter() - t0))
@@ -361,14 +255,8 @@ def engine_rounds(engine: Engine, config: str, bs: int, context: int, steps: int
             out["profile"] = kernel_table(batch.step, engine.device, steps=3)
     batch.clear()
     del batch
-    _free(engine.device)
+    free_memory(engine.device)
     return out
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def rounds_part(engine: Engine, context: int, batches: list[int], variants: list[str],
@@ -384,84 +272,6 @@ def rounds_part(engine: Engine, context: int, batches: list[int], variants: list
                     rows.append(r)
                     print(f"  round {name:20} bs {bs:2} {config:18} {r['ms']:.3f} ms", flush=True)
     return rows
-
-
-def peer_part(shape: str, device: torch.device, dtype: torch.dtype, context: int, steps: int = 32,
-              compiled: bool = False) -> dict[str, Any]:
-    """transformers' Qwen3ForCausalLM of the same shape (random weights, sdpa): ms per decode step at batch 1,
-    by generate with a static cache (eager; with `compiled` also with the forward torch.compiled, as
-    transformers does by default for a static cache on CUDA), and as one captured decode step where the
-    capture works."""
-    out: dict[str, Any] = {}
-    try:
-        import transformers
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-    except ImportError as err:
-        return {"error": f"transformers is not installed: {err}"}
-    s = shape_of(shape)
-    vocab = s.vocab if s.vocab is not None else 4096
-    out["transformers"] = transformers.__version__
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                      num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                      head_dim=s.head_dim, max_position_embeddings=max(s.max_context, context + 2 * steps + 64),
-                      tie_word_embeddings=True)
-    cfg._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            held = [Qwen3ForCausalLM(cfg).eval()]
-    finally:
-        torch.set_default_dtype(default)
-    model = held[0]
-    prompt = torch.randint(0, vocab, (1, context), device=device)
-
-    def gen(n: int, compile_forward: bool) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           cache_implementation="static", pad_token_id=0, disable_compile=not compile_forward)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    for label, compile_forward in [("eager", False), *([("compiled", True)] if compiled else [])]:
-        try:
-            gen(4, compile_forward)  # warm-up (and the compile)
-            short = statistics.median(gen(4, compile_forward) for _ in range(3))
-            long = statistics.median(gen(4 + steps, compile_forward) for _ in range(3))
-            out[f"generate_static_{label}_ms"] = 1000 * (long - short) / steps
-            print(f"  peer generate (static cache, {label}): {out[f'generate_static_{label}_ms']:.3f} ms/step",
-                  flush=True)
-        except Exception as err:
-            out[f"generate_{label}_error"] = repr(err)[:400]
-    try:
-        out["graph_step_ms"] = _peer_graph_step(model, cfg, prompt, device, context)
-        print(f"  peer decode step as a CUDA graph: {out['graph_step_ms']:.3f} ms", flush=True)
-    except Exception as err:
-        out["graph_error"] = repr(err)[:400]
-        print(f"  peer graph step failed: {out['graph_error']}", flush=True)
-    held.clear()
-    _free(device)
-    return out
-
-
-def _peer_graph_step(model, cfg, prompt: torch.Tensor, device: torch.device, context: int) -> float:
-    from transformers import StaticCache
-
-    if device.type != "cuda":
-        raise RuntimeError("CUDA graphs need a CUDA device")
-    cache = StaticCache(config=cfg, max_cache_len=context + 64)
-    params = inspect.signature(model.model.forward).parameters
-    with torch.inference_mode():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True)
-        ids = prompt[:, -1:].clone()
-        pos = torch.full((1, 1), context, dtype=torch.long, device=device)
-        kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos, "past_key_values": cache, "use_cache": True}
-        if "cache_position" in params:
-            kwargs["cache_position"] = pos[0]
-        replay = Replay(lambda: model(**kwargs).logits, device)
-        return replay.time()
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -550,7 +360,7 @@ def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Na
         target = engine.target
         for layers_ in args.draft_layers[1:]:  # extra drafter depths: AR and b8-k4 at batch 1
             engine.drafter = None
-            _free(engine.device)
+            free_memory(engine.device)
             other = Engine(target, random_drafter(target, shape, draft_layers=layers_), fold_norms=False)
             with variant(args.default_variant, engine.device):
                 for config in ("ar", "b8-k4-w2048-bs8"):
@@ -563,10 +373,10 @@ def _run_part(name: str, part: dict[str, Any], engine: Engine, args: argparse.Na
 
 # -- entry -----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.real_width", description=__doc__.splitlines()[0])
+    p = tool_parser(__name__, __doc__)
     p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--context", type=int, default=1024)
+    add_device(p)
+    add_context(p)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--default-variant", choices=list(VARIANTS),
@@ -597,14 +407,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--default-variant {args.default_variant!r} is not among --variants {args.variants}; add it there")
     if args.skinny_sweep:
         SKINNY_TILINGS[:] = [None, *SKINNY_SWEEP]
-    device = torch.device(args.device)
+    device = torch.device(resolve_device(args.device))
     dtype = torch.bfloat16
     args.out_dir.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth(device)
     report: dict[str, Any] = {"meta": {
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m ddtree.bench.real_width", *argv]), "context": args.context,
+        "command": " ".join(["python -m ddtree.profiling.real_width", *argv]), "context": args.context,
         "copy_gbps": bw / 1e9}, "shapes": {}}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
 
@@ -640,11 +450,11 @@ def main(argv: list[str] | None = None) -> int:
                 write()
         engine.drafter = drafter = None
         del engine, target
-        _free(device)
+        free_memory(device)
         if "peer" in args.parts:
             _guarded(part, "peer", functools.partial(_peer_into, part, shape, device, dtype, args.context,
                                                          args.peer_compile))
-            _free(device)
+            free_memory(device)
             write()
     write()
     print(format_markdown(report), flush=True)

@@ -1,11 +1,11 @@
 r"""The engine-level benchmark: AR, DFLASH and DDTREE side by side, in one process, per (context, batch) cell.
 
-    python -m ddtree.bench --target fixtures/models/target --drafter fixtures/models/drafter \
+    python -m ddtree.profiling.engine_bench --target fixtures/models/target --drafter fixtures/models/drafter \
         --concurrency 1 8 32 --contexts 60 1024 4096 --max-new-tokens 128 --repeats 3 --device cuda \
         --out results.json --markdown engine_bench.md
 
     # verify cost against tree size and batch on a random ~1B target (fits one 10-minute GPU call)
-    python -m ddtree.bench --shape 1b --random-model-dir /tmp/ddtree-random --device cuda \
+    python -m ddtree.profiling.engine_bench --shape 1b --random-model-dir /tmp/ddtree-random --device cuda \
         --configs ar dflash-w2048-bs8 b8-k4-w2048-bs8 b16-k4-w2048-bs8 b32-k8-w2048-bs8 b64-k8-w2048-bs8 \
         bauto-k4-w2048-bs8 --contexts 1024 4096 --concurrency 1 8 32 --max-new-tokens 64 --repeats 2 \
         --out engine_bench_1b.json --markdown engine_bench_1b.md
@@ -18,9 +18,9 @@ cell, efficiency = speed-up / tau, the round time split from the engine's stage 
 round in ms), host syncs per round (CUDA: torch's sync debug mode over a few rounds) and, for an auto
 budget, the mean chosen tree size. Every output must equal AR's at T = 0 ("lossless"); the exit
 status is 1 when one does not. `--shape 1b` benchmarks a random-weight ~1B pair instead (built once
-by ddtree.bench.random_models): there only the timings mean something.
+by ddtree.profiling.random_models): there only the timings mean something.
 
-Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.bench.acceptance).
+Not here: the HTTP service sweep (ddtree.suite) and acceptance over prompt sets (ddtree.profiling.acceptance).
 On CUDA the timed runs do not synchronise between stages; the round split comes from one extra run
 with the engine's stage profiling on (a device sync at every stage boundary; with CUDA graphs each
 stage is then its own graph). `--cuda-graphs off` / `--attention sdpa` measure the eager paths.
@@ -43,56 +43,43 @@ from typing import Any
 
 import torch
 
-from ddtree.bench.acceptance import heldout_files, heldout_prompts
-from ddtree.bench.hbm import copy_bandwidth, floors_ms, step_bytes
-from ddtree.bench.random_models import SHAPES, build_random_pair, parameter_count, random_models
-from ddtree.bench.syncs import round_syncs
 from ddtree.config import SpecConfig
 from ddtree.engine import ATTENTION_BACKENDS, Engine, GenerationResult, Request
 from ddtree.errors import ConfigError
+from ddtree.profiling.acceptance import heldout_files, heldout_prompts
+from ddtree.profiling.flags import (
+    FIXTURE_TARGET,
+    add_concurrency,
+    add_configs,
+    add_contexts,
+    add_device,
+    add_dtype,
+    add_max_new_tokens,
+    add_models,
+    add_out,
+    add_repeats,
+    check_positive,
+    parse_configs,
+    resolve_device,
+    tool_parser,
+    torch_dtype,
+)
+from ddtree.profiling.hbm import copy_bandwidth, floors_ms, step_bytes
+from ddtree.profiling.random_models import SHAPES, build_random_pair, parameter_count, random_models
+from ddtree.profiling.syncs import round_syncs
 
-REPO_DIR = Path(__file__).resolve().parents[2]
-FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
-FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
 DEFAULT_RANDOM_DIR = Path.home() / ".cache" / "ddtree" / "random-models"
 # AR, the DFlash chain, DDTREE over budget x topk at window 2048 / block 8, and the auto budget.
 DEFAULT_CONFIGS = ["ar", "dflash-w2048-bs8",
                    *[f"b{b}-k{k}-w2048-bs8" for b in (4, 8, 12, 16, 32, 64) for k in (4, 8)],
                    "bauto-k4-w2048-bs8"]
 ROUND_STAGES = ("draft", "build", "verify", "walk", "compact")
-DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Cell:
     context: int  # prompt tokens
     concurrency: int  # prompts decoded together in one batch
-
-
-def parse_configs(ids: list[str]) -> list[SpecConfig]:
-    """SpecConfigs for the ids, AR first (the baseline every row is compared with), duplicates dropped.
-
-    Raises ConfigError naming every id that does not parse, before anything is loaded.
-    """
-    specs: list[SpecConfig] = []
-    bad: list[str] = []
-    for config_id in ids:
-        try:
-            specs.append(SpecConfig.from_id(config_id))
-        except ConfigError:
-            bad.append(config_id)
-    if bad:
-        raise ConfigError(f"--configs: unknown config id(s) {bad}; allowed forms: 'ar', "
-                          "'dflash-w<window|none>-bs<block>', 'b<budget|auto>-k<topk>-w<window|none>-bs<block>'")
-    specs.insert(0, SpecConfig.from_id("ar"))
-    unique = {s.id: s for s in specs}
-    return list(unique.values())
-
-
-def check_positive(flag: str, values: list[int]) -> None:
-    for v in values:
-        if v < 1:
-            raise ConfigError(f"{flag}: {v} is out of range (allowed >= 1)")
 
 
 @cache
@@ -209,7 +196,7 @@ def bench_cell(engine: Engine, prompts: list[list[int]], specs: list[SpecConfig]
                max_new_tokens: int, repeats: int, warmup_tokens: int,
                bandwidth: float | None = None) -> list[dict[str, Any]]:
     """Every config on the cell's prompts; AR (specs[0]) first, each row compared with it. bandwidth (bytes/s,
-    ddtree.bench.hbm): each row also gets its HBM floor (floor_ms) beside its step time."""
+    ddtree.profiling.hbm): each row also gets its HBM floor (floor_ms) beside its step time."""
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] | None = None
     ar_tps = 0.0
@@ -288,9 +275,8 @@ def _device_name(device: torch.device) -> str:
 
 # -- entry ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=FIXTURE_TARGET, help="target folder (--shape fixture)")
-    p.add_argument("--drafter", type=Path, default=FIXTURE_DRAFTER, help="drafter folder (--shape fixture)")
+    p = tool_parser(__name__, __doc__)
+    add_models(p, help_suffix=" (--shape fixture)")
     p.add_argument("--shape", default="fixture", choices=["fixture", *SHAPES],
                    help="fixture: the --target/--drafter pair; 1b (or tiny): a random-weight pair of that shape")
     p.add_argument("--random-model-dir", type=Path, default=DEFAULT_RANDOM_DIR,
@@ -301,28 +287,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random pairs: the drafter's depth (default: the shape's, 2)")
     p.add_argument("--floors", default="auto", choices=["auto", "on", "off"],
                    help="HBM floor beside each row (a measured copy bandwidth; auto: on CUDA)")
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="ID")
-    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32], metavar="N")
-    p.add_argument("--contexts", nargs="+", type=int, default=[60, 1024, 4096], metavar="TOKENS")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    add_configs(p, DEFAULT_CONFIGS)
+    add_concurrency(p, [1, 8, 32])
+    add_contexts(p, [60, 1024, 4096])
+    add_max_new_tokens(p)
+    add_repeats(p)
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each warm-up generate")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the config's dtype on GPU, float32 on CPU")
+    add_device(p)
+    add_dtype(p)
     p.add_argument("--attention", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="verify attention: auto = the Triton tree-attention kernel on CUDA, SDPA on CPU")
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture rounds as CUDA graphs (auto: on CUDA with the kernel attention)")
     p.add_argument("--fold-norms", default="auto", choices=["auto", "on", "off"],
                    help="the target's layer norms multiplied into its GEMMs (auto: 16-bit CUDA targets at real width)")
-    p.add_argument("--out", type=Path, help="JSON file of every row (rewritten after each cell)")
+    add_out(p, "JSON file of every row (rewritten after each cell)")
     p.add_argument("--markdown", type=Path, help="write the tables as markdown here")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.device = resolve_device(args.device)
     try:  # everything checkable is checked before a model is loaded
         specs = parse_configs(args.configs)
         check_positive("--concurrency", args.concurrency)
@@ -331,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         check_positive("--repeats", [args.repeats])
         check_positive("--warmup-tokens", [args.warmup_tokens])
     except ConfigError as err:
-        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
 
     target_dir, drafter_dir = args.target, args.drafter
     shape_label = f"fixture pair ({target_dir.name})"
@@ -342,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape != "fixture" and (args.in_memory or args.draft_layers is not None):
         # the pair's prompts come from the fixture tokenizer it shares
         target_dir, drafter_dir = FIXTURE_TARGET, None
-        in_memory = random_models(args.shape, device=args.device, dtype=DTYPES[args.dtype] or torch.bfloat16,
+        in_memory = random_models(args.shape, device=args.device, dtype=torch_dtype(args.dtype) or torch.bfloat16,
                                   draft_layers=args.draft_layers)
         n = sum(p.numel() for p in in_memory[0].parameters())
         print(f"random-weight {args.shape} pair built in memory on {args.device}", flush=True)
@@ -361,11 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         if in_memory is not None:
             engine = Engine(*in_memory, attention=args.attention, cuda_graphs=graphs, fold_norms=fold)
         else:
-            engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=DTYPES[args.dtype],
+            engine = Engine.from_pretrained(target_dir, drafter_dir, device=args.device, dtype=torch_dtype(args.dtype),
                                             attention=args.attention, cuda_graphs=graphs, fold_norms=fold)
     except ConfigError as err:
-        print(f"python -m ddtree.bench: error: {err}", file=sys.stderr)
-        return 2
+        return parser.fail(err)
     del in_memory
     floors = args.floors == "on" or (args.floors == "auto" and engine.device.type == "cuda")
     bandwidth = copy_bandwidth(engine.device) if floors else None
@@ -374,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "device": str(engine.device), "device_name": _device_name(engine.device), "torch": torch.__version__,
             "dtype": dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "-m", "ddtree.bench", *argv]), "shape": args.shape,
+            "command": shlex.join(["python", "-m", "ddtree.profiling.engine_bench", *argv]), "shape": args.shape,
             "shape_label": shape_label, "target": str(target_dir), "drafter": str(drafter_dir),
             "configs": [s.id for s in specs], "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "warmup_tokens": args.warmup_tokens, "attention": engine.attention, "cuda_graphs": engine.cuda_graphs,
@@ -415,3 +401,7 @@ def _write(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(format_markdown(report))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
