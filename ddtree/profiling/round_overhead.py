@@ -56,6 +56,14 @@ MODES = ("in process", "served", "served, no overlap", "served, to a pipe")
 class ZeroBatch:
     """The DecodeBatch protocol at no cost: one token per row per round, nothing else."""
 
+    max_len = 1 << 30
+    prefill_tokens: int | None = None
+    forward_cost = 0
+    graphs = None
+    last_budget: int | None = None
+    budget_rounds = budget_total = 0
+    round_ahead = False
+
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
         self.rows: dict[str, list[Any]] = {}  # id -> [request, tokens so far]
@@ -83,9 +91,15 @@ class ZeroBatch:
     def launch(self) -> None:
         self._launched = True
 
-    def collect(self) -> list[StepOutput]:
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
         self._launched = False
         return self._emit(list(self.rows.values()), verify=True)
+
+    def settle(self) -> list[StepOutput]:
+        return []
+
+    def clear(self) -> None:
+        self.rows.clear()
 
     def step(self) -> list[StepOutput]:
         self._launched = False
@@ -107,15 +121,19 @@ class ZeroBatch:
 
 
 class StepOnly:
-    """A batch seen through step() alone (no launch/collect): the scheduler then hands a round out before
-    launching the next."""
+    """A batch whose launch() does nothing and whose collect() is its whole step(): the scheduler then hands a
+    round out before the next one runs."""
 
     def __init__(self, batch: Any) -> None:
         self._batch = batch
 
+    def launch(self) -> None:
+        pass
+
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        return self._batch.step()
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("launch", "collect"):
-            raise AttributeError(name)
         return getattr(self._batch, name)
 
 

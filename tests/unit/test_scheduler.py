@@ -41,7 +41,7 @@ class SplitBatch(EmulatedBatch):
         self.launched = True
         self.log.append(("launch", self.collected))
 
-    def collect(self) -> list[StepOutput]:
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
         assert self.launched, "collect without a launch"
         self.launched = False
         k = self.collected
@@ -432,7 +432,7 @@ def test_served_rounds_run_ahead_equal_ar_at_t0(engine: Engine, config: str) -> 
 
 
 def test_a_batch_seen_through_step_alone_is_settled_before_rows_join(engine: Engine) -> None:
-    """A batch whose step() runs ahead, seen without launch/collect (ddtree.profiling.round_overhead's "no overlap"
+    """A batch whose step() runs ahead, seen with step() as its collect (ddtree.profiling.round_overhead's "no overlap"
     mode): a request that arrives while another runs joins after the round step() left in flight is settled;
     both get AR's tokens."""
     from ddtree.profiling.round_overhead import StepOnly
@@ -462,7 +462,7 @@ def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> 
     from ddtree.profiling import round_overhead as ro
 
     batch = ro.ZeroBatch(3)
-    assert not hasattr(ro.StepOnly(batch), "launch") and ro.StepOnly(batch).active == 0
+    assert ro.StepOnly(batch).active == 0
     requests = [Request(f"r{i}", [1], 20 + i, ignore_eos=True) for i in range(3)]
     assert ro.served(batch, requests, on_gpu=False) == ro.in_process(batch, requests) == {
         f"r{i}": [t % 101 for t in range(1, 21 + i)] for i in range(3)}
