@@ -269,16 +269,13 @@ def choice_state(batch: Any) -> tuple[Any, ...] | None:
     """Budget auto's state that carries from one run to the next on a batch (the size chosen ahead, the
     choosing rounds' phase, the running mean of gains), to start every run from the same one: then every
     mode verifies the same tree sizes (graphed; an eager batch also calibrates its costs as it goes)."""
-    gains = getattr(batch, "_gains", None)
-    if gains is None:
-        return None
-    return batch._next_budget, batch._rounds_ahead, gains.clone()
+    budget = getattr(batch, "budget", None)  # a DecodeBatch's (ddtree.round_costs); other batches have none
+    return budget.snapshot() if budget is not None else None
 
 
 def restore_choice_state(batch: Any, state: tuple[Any, ...] | None) -> None:
     if state is not None:
-        batch._next_budget, batch._rounds_ahead = state[0], state[1]
-        batch._gains.copy_(state[2])
+        batch.budget.restore(state)
 
 
 def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool,
@@ -388,7 +385,7 @@ def run_batches(args: argparse.Namespace, parser: ToolParser, row_counts: list[i
                 if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
                     warm = Scheduler(batch, slots, warm_token=next(t for t in range(engine.vocab_size)
                                                                     if t != engine.eos_token_id))
-                    on_a_thread(warm._warm_up)
+                    on_a_thread(warm.warm_up)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
             if not measure(label, rows, batch, device, prompts, requests, on_gpu):

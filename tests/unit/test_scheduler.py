@@ -373,16 +373,16 @@ def test_decode_batch_round_that_raises_leaves_the_batch_usable(engine: Engine, 
     batch = engine.open_batch(spec, max_batch=2, max_len=128)
     batch.add_many([Request("a", prompts(1, seed=3)[0], 8), Request("b", prompts(1, seed=4)[0], 8)])
     if where == "launch":
-        batch._run_stages = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        batch.runner.run = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="device lost"):
             batch.launch()
-        del batch._run_stages
+        del batch.runner.run
     else:
         batch.launch()
-        batch._clear_padding = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        batch.slots.clear_padding = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="device lost"):
             batch.collect()
-        del batch._clear_padding
+        del batch.slots.clear_padding
     # not wedged: what ran is cancelled (the scheduler aborts every running request), a new one runs
     assert batch.cancel("a") and batch.cancel("b") and batch.active == 0
     out = batch.add(Request("c", [5, 6, 7], 6))[0].new_token_ids
@@ -480,7 +480,7 @@ def test_served_graphed_rounds_equal_ar_at_t0(engine: Engine, config: str) -> No
     texts = prompts(4, seed=41)
     ref = engine.generate(texts, 14, spec=AR)
     batch = _with_attention(engine, "reference").open_batch(spec, max_batch=3, max_len=200)
-    batch.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    batch.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
     reqs = [Request(str(i), p, 14) for i, p in enumerate(texts)]
     events = Events([r.request_id for r in reqs])
     run(Scheduler(batch, max_running=3, warm_token=5, switch_interval_s=None), events, reqs, timeout=300)
