@@ -40,19 +40,27 @@ class DecodeBatchLike(Protocol):
     max_len: int  # a request's prompt + new tokens fit in this (the warm-up's prefill widths)
     prefill_tokens: int | None  # padded tokens per prefill forward (None: no bound; admission groups by it)
     forward_cost: int  # what one more prefill forward costs, in padded tokens (ddtree.prefill.prefill_chunks)
-    graphs: object | None  # not None: rounds are CUDA graphs, captured when first met (the warm-up meets them)
-    last_budget: int | None  # the latest round's tree size (budget auto; None before any)
-    budget_rounds: int  # rounds counted in budget_total (0: a fixed budget, or no round yet)
-    budget_total: int  # tree sizes summed over those rounds
 
     @property
-    def free_slots(self) -> int: ...
+    def graphs(self) -> object | None: ...  # not None: rounds are CUDA graphs, captured when first met
 
     @property
-    def active(self) -> int: ...
+    def last_budget(self) -> int | None: ...  # the latest round's tree size (None before any)
 
     @property
-    def round_ahead(self) -> bool: ...
+    def budget_rounds(self) -> int: ...  # rounds counted in budget_total (0: none yet, or an AR batch)
+
+    @property
+    def budget_total(self) -> int: ...  # tree sizes summed over those rounds
+
+    @property
+    def free_slots(self) -> int: ...  # slots requests may join (after settle(), where a round ahead is in flight)
+
+    @property
+    def active(self) -> int: ...  # rows still running
+
+    @property
+    def round_ahead(self) -> bool: ...  # a round launched ahead is in flight
 
     def validate(self, request: Request) -> None: ...  # raises the RequestError add would, without a forward
     def add(self, request: Request) -> list[StepOutput]: ...  # the prefill: the first token(s)

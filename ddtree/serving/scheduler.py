@@ -7,16 +7,14 @@ cancellations, run one round for everything running, then hand what that iterati
 `loop.call_soon_threadsafe` per round, not one per request (each is a wake-up of the event loop
 and a write to its self-pipe, under the GIL the round needs too), or the engine process's Relay
 into a pipe. Without `deliver`, each event goes to its request's sink on this thread. Nothing here
-knows about HTTP or text.
+knows about HTTP or text; the batch is seen through DecodeBatchLike (ddtree.serving.admission) alone.
 
-The batch is driven through DecodeBatchLike alone (every member the scheduler uses is declared there).
 Three things keep a served round as fast as the engine's own:
-- round N + 1 is launched (`launch()`) before round N's outputs are handed out (metrics, events, the
-  relay's pickle and write: ~1-2 us a row of Python), so that work runs while the device does, not
-  between two rounds (_serve says when it cannot); a batch that runs ahead (DecodeBatch's `run_ahead`;
-  off with --disable-overlap-schedule) launches round N + 1 inside round N's `collect(run_ahead=True)`,
-  before it reads round N's tokens, so the device does not wait for the host's bookkeeping or this loop
-  between the two either; it is settled (`settle()`) before requests join or leave;
+- round N + 1 is launched before round N's outputs are handed out (metrics, events, the relay's pickle
+  and write: ~1-2 us a row of Python), so that work runs while the device does (_serve says when it
+  cannot); a batch that runs ahead (DecodeBatch's `run_ahead`; off with --disable-overlap-schedule)
+  launches round N + 1 inside round N's `collect(run_ahead=True)`, before it reads round N's tokens, so
+  the device does not wait for this loop between the two either; it is settled before rows join or leave;
 - on a CUDA device the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
   device with the GIL released and needs it back the moment the device is done; with CPython's
   default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
@@ -34,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar
 
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
@@ -218,16 +216,13 @@ class Scheduler:
 
     def budget_state(self) -> tuple[int, float] | None:
         """Budget auto's last chosen tree size and its mean since start; None for a fixed budget."""
-        batch = self.batch
-        if not batch.budget_rounds or batch.last_budget is None:
-            return None
-        return batch.last_budget, batch.budget_total / batch.budget_rounds
+        b = self.batch
+        return (b.last_budget, b.budget_total / b.budget_rounds) if b.budget_rounds and b.last_budget else None
 
     def run_idle(self, fn: Callable[[], T]) -> T:
-        """fn() on the scheduler's thread (the batch's one owner) once nothing runs, waits or is being cancelled,
-        before anything more is admitted (arrivals queue up meanwhile); its result, or what it raised. Other code
-        works on the served batch this way (e.g. measures it between served requests)."""
-        done: Future = Future()
+        """fn() on the scheduler's thread (the batch's one owner) once nothing runs or is being cancelled, before
+        anything more is admitted (arrivals queue up meanwhile); its result, or what it raised."""
+        done: Future[T] = Future()
         with self._cond:
             if self._stop or not self.alive:
                 raise RuntimeError("the scheduler is not running")
@@ -236,7 +231,7 @@ class Scheduler:
             self._cond.notify_all()
         if self.inbox is not None:
             self.inbox.wake()
-        return cast(T, done.result())
+        return done.result()
 
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
