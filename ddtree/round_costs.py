@@ -55,12 +55,13 @@ class FixedBudget:
 
     def __init__(self, spec: SpecConfig) -> None:
         self.cap = spec.budget_cap
+        self._plan = RoundPlan(self.cap, choose_next=False, calibrates=False)  # every round's (made once)
         self.last_budget: int | None = None  # the latest round's tree size
         self.budget_rounds = 0
         self.budget_total = 0
 
     def plan(self, parts: RoundParts, m: int, n: int, sampled: Mode) -> RoundPlan:
-        return RoundPlan(self.cap, choose_next=False, calibrates=False)
+        return self._plan
 
     def choose(self, trees: DraftTrees, n: int, m: int, graphed: bool) -> int:
         raise AssertionError("a fixed budget's size is planned, never chosen")  # pragma: no cover
