@@ -9,12 +9,13 @@ The round's stages, over one `RoundState` (docs/architecture.md, "The DDTree rou
     5. walk      follow_trees: the nodes whose every ancestor matches the target; the deepest gives the bonus
     6. compact   move the accepted nodes' KV after the prefix; feed their hidden states to the drafter
 
-An AR round is steps 4 and 5 over one token (`ar_round`). The tree size comes from the batch's `BudgetChoice`
-(ddtree.round_costs: a fixed size, or budget auto): known before the round, the round is one graph and one
-launch; chosen from the round's own trees, the round drafts, reads the size back (a second host sync) and
-verifies that prefix. A round is a generator: it runs up to the read of its tokens and yields (launched: its
-device work is enqueued), then reads them (the one host sync a round) and returns each row's StepOutput.
-`RoundParts` is what a round works on; the batch (ddtree.decode) owns the rows and drives the rounds.
+Every stage is a function of the round's `RoundState`. An AR round is steps 4 and 5 over one token (`ar_round`).
+The tree size comes from the batch's `BudgetChoice` (ddtree.round_costs: a fixed size, or budget auto): known
+before the round, the round is one graph and one launch; chosen from the round's own trees, the round drafts,
+reads the size back (a second host sync) and verifies that prefix. A round is a generator: it runs up to the
+read of its tokens and yields (launched: its device work is enqueued), then reads them (the one host sync a
+round) and returns each row's StepOutput. `RoundParts` is what a round works on; the batch (ddtree.decode) owns
+the rows and drives the rounds.
 """
 
 from __future__ import annotations
@@ -31,13 +32,46 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.kernels import tree_ops
 from ddtree.kernels.accepted import gather_accepted
 from ddtree.request import Row, StepOutput, emit
-from ddtree.round_graphs import RoundState, Stage, StageRunner, Stages
+from ddtree.round_graphs import StageRunner
 from ddtree.sampling import Mode, token_logprobs
 from ddtree.slot_sampling import rows_mode
 from ddtree.slots import Slots
-from ddtree.tree import DraftTrees
+from ddtree.tree import CompiledTrees, DraftTrees
 
 Round = Generator[None, None, list[StepOutput]]
+
+
+class RoundState:
+    """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated).
+
+    What a captured round's state still holds at its end stays allocated for as long as the graph lives;
+    the stages delete the large tensors they use up (draft_logits [m, L, V], taps [m, B+1, T*D]) so a
+    batch that captures many rounds (budget auto: every tree size of every row bucket) keeps one copy of
+    them in the shared pool, not one per graph.
+    """
+
+    committed: torch.Tensor  # [m] committed lengths at the round's start
+    draft_logits: torch.Tensor  # [m, L, V]
+    trees: DraftTrees  # built at the round's size (budget auto choosing: at the cap, then cut to it)
+    compiled: CompiledTrees
+    taps: torch.Tensor  # [m, B+1, T*D] target hidden states for the drafter
+    target_tokens: torch.Tensor  # [m, B+1] the target's token at every node
+    accepted: torch.Tensor  # [m, <= L+1] accepted node indices, -1 padded
+    accept_lens: torch.Tensor  # [m]
+    new_bonus: torch.Tensor  # [m]
+    host: torch.Tensor  # [m, width + 2]: accepted tokens, bonus, accepted length (what goes to the host)
+    next_budget: torch.Tensor  # 0-dim: graphed budget auto's choice for the next round
+    next: torch.Tensor  # [m] AR rounds: the next token
+    logprobs: torch.Tensor  # the target's log-prob at every node, then of the committed tokens (when asked)
+
+    def copy(self) -> RoundState:
+        new = RoundState()
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+Stage = Callable[[RoundState], None]
+Stages = list[tuple[str, Stage]]
 
 
 class RoundPlan(NamedTuple):

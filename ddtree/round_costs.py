@@ -34,8 +34,7 @@ import torch
 from ddtree.budget import RoundCostCalibration, VerifyCostModel, choose_budget
 from ddtree.config import SpecConfig
 from ddtree.cuda_graphs import row_bucket, tree_sizes
-from ddtree.round import RoundParts, RoundPlan, round_stages
-from ddtree.round_graphs import RoundState, Stage
+from ddtree.round import RoundParts, RoundPlan, RoundState, Stage, round_stages
 from ddtree.sampling import Mode
 from ddtree.tree import DraftTrees
 
@@ -199,7 +198,7 @@ class AutoBudget(FixedBudget):
             rounds = {key: functools.partial(round_stages, parts, *key[1:], None)
                       for key in [("round", rows, size, sampled, choosing)
                                   for size in tree_sizes(self.cap) for choosing in (True, False)]}
-            timed = runner.capture_all(rounds, timed=not runner.timer.sync)
+            timed = runner.capture_all(rounds, RoundState, timed=not runner.timer.sync)
             if timed:
                 self.set_round_table(rows, sampled, timed)
             self.sizes_captured.add((rows, sampled))

@@ -1,7 +1,7 @@
 """A round as named stages, run eagerly or captured as CUDA graphs and replayed (ddtree.cuda_graphs).
 
-A round (ddtree.round) is a list of (stage name, function of a `RoundState`). Eagerly each function runs
-in turn under the stage timer; graphed, the whole list is captured once per key (rows bucket, tree size,
+A round (ddtree.round) is a list of (stage name, function of its `RoundState`). Eagerly each function
+runs in turn under the stage timer; graphed, the whole list is captured once per key (rows bucket, tree size,
 sampled, ...) and replayed with one launch, rows padded up to a captured bucket (the rows past the live
 ones are free slots of length 0, whatever they compute is discarded). `StageRunner` does either, and also
 captures a list of rounds up front and times their replays (budget auto's cost table, ddtree.round_costs).
@@ -13,11 +13,11 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 
 from ddtree.cuda_graphs import GraphCache, row_bucket
-from ddtree.tree import CompiledTrees, DraftTrees
 
 STAGES = ("prefill", "draft", "build", "verify", "walk", "compact")
 # Replays timed per captured auto round (median): its cost table. The rounds of a row bucket are timed in
@@ -53,46 +53,21 @@ class StageTimer:
         return time.perf_counter()
 
 
-class RoundState:
-    """The tensors one round hands from stage to stage (a graph's are the ones its capture allocated).
+class StageState(Protocol):
+    """What stages hand on (ddtree.round.RoundState): a run starts from a shallow copy of the state before."""
 
-    What a captured round's state still holds at its end stays allocated for as long as the graph lives;
-    the stages delete the large tensors they use up (draft_logits [m, L, V], taps [m, B+1, T*D]) so a
-    batch that captures many rounds (budget auto: every tree size of every row bucket) keeps one copy of
-    them in the shared pool, not one per graph.
-    """
-
-    committed: torch.Tensor  # [m] committed lengths at the round's start
-    draft_logits: torch.Tensor  # [m, L, V]
-    trees: DraftTrees  # built at the round's size (budget auto choosing: at the cap, then cut to it)
-    compiled: CompiledTrees
-    taps: torch.Tensor  # [m, B+1, T*D] target hidden states for the drafter
-    target_tokens: torch.Tensor  # [m, B+1] the target's token at every node
-    accepted: torch.Tensor  # [m, <= L+1] accepted node indices, -1 padded
-    accept_lens: torch.Tensor  # [m]
-    new_bonus: torch.Tensor  # [m]
-    host: torch.Tensor  # [m, width + 2]: accepted tokens, bonus, accepted length (what goes to the host)
-    next_budget: torch.Tensor  # 0-dim: graphed budget auto's choice for the next round
-    next: torch.Tensor  # [m] AR rounds: the next token
-    logprobs: torch.Tensor  # the target's log-prob at every node, then of the committed tokens (when asked)
-
-    def copy(self) -> RoundState:
-        new = RoundState()
-        new.__dict__.update(self.__dict__)
-        return new
+    def copy(self: S) -> S: ...
 
 
-Stage = Callable[[RoundState], None]
+S = TypeVar("S", bound=StageState)
+Stages = Sequence[tuple[str, Callable[[S], None]]]  # a round: (stage name, function of its state), in order
 
 
-def apply_stages(prev: RoundState, stages: Sequence[Stage]) -> RoundState:
+def apply_stages(prev: S, stages: Sequence[Callable[[S], None]]) -> S:
     s = prev.copy()
     for fn in stages:
         fn(s)
     return s
-
-
-Stages = Sequence[tuple[str, Stage]]
 
 
 class StageRunner:
@@ -115,7 +90,7 @@ class StageRunner:
         are free slots with length 0, whatever they compute is discarded)."""
         return row_bucket(n, self.max_batch) if self.graphs is not None else n
 
-    def run(self, key: tuple, make_stages: Callable[[], Stages], prev: RoundState) -> RoundState:
+    def run(self, key: tuple, make_stages: Callable[[], Stages[S]], prev: S) -> S:
         """Run the stages `make_stages()` returns on a copy of `prev`: eagerly, or as one captured graph per key
         (one per stage when profiling, so each stage's device time can be read between them). A graph that is
         captured already replays without the stages being built (their closures are host time every round)."""
@@ -140,9 +115,10 @@ class StageRunner:
         t.start(stages[0][0])
         return graphs.run(key, functools.partial(apply_stages, prev, [fn for _, fn in stages]), self.state())
 
-    def capture_all(self, rounds: dict[tuple, Callable[[], Stages]], timed: bool) -> dict[tuple, float]:
-        """Capture each of `rounds` (key: its stages) that is not yet captured, each run from the batch's state
-        and the state put back after it (no row runs past its cache); with `timed`, the median seconds of
+    def capture_all(self, rounds: dict[tuple, Callable[[], Stages[S]]], fresh: Callable[[], S],
+                    timed: bool) -> dict[tuple, float]:
+        """Capture each of `rounds` (key: its stages) that is not yet captured, each run on a `fresh()` state
+        from the batch's state and the batch's state put back after it (no row runs past its cache); with `timed`, the median seconds of
         ROUND_TIMING_REPEATS replays of each, the rounds taking turns (after one untimed turn). The stage clock
         stays the batch's: these runs are no round of it."""
         state = self.state()
@@ -152,7 +128,7 @@ class StageRunner:
         try:
             for key, make_stages in rounds.items():
                 try:
-                    self.run(key, make_stages, RoundState())
+                    self.run(key, make_stages, fresh())
                 finally:
                     for t, s in zip(state, saved):
                         t.copy_(s)
