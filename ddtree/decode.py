@@ -224,8 +224,8 @@ class DecodeBatch:
 
         The round's device work is enqueued and nothing waits for it (except the rounds of budget auto that
         read b* before verifying), so between the two the caller may do host work of its own while the
-        device runs: the server hands out the previous round's tokens there. Outputs are step()'s. A round
-        launched ahead is taken as this round: it runs already."""
+        device runs: the server hands out the previous round's tokens there. A round launched ahead is
+        taken as this round: it runs already."""
         self._take_or_launch()
 
     @torch.inference_mode()
@@ -302,7 +302,7 @@ class DecodeBatch:
     @torch.inference_mode()
     def clear(self) -> None:
         """Drop every running request (the batch is empty and ready for reuse; graphs stay captured), a round
-        step() launched ahead with them."""
+        launched ahead with them."""
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             _finish(ahead)

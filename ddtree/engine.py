@@ -158,7 +158,7 @@ class Engine:
                    run_ahead: bool = True) -> DecodeBatch:
         """profile: synchronise the device around each stage so the per-stage timings are exact.
         None (the default) = only where that is free (the CPU); on CUDA the stage clocks then time
-        the host's enqueueing, and the round runs without waiting on the device. run_ahead: step() may
+        the host's enqueueing, and the round runs without waiting on the device. run_ahead: collect() may
         launch the next round before reading this one's tokens (ddtree.decode; not while profiling)."""
         max_len = max_len if max_len is not None else self.max_context + spec.max_nodes
         if profile is None:
@@ -241,7 +241,7 @@ class Engine:
 
         while pending or batch.active:
             while pending and batch.free_slots:  # a request finished at its first token frees its slot again
-                absorb(batch.settle())  # a round step() launched ahead comes back before anyone joins
+                absorb(batch.settle())  # a round launched ahead comes back before anyone joins
                 joining, pending = pending[: batch.free_slots], pending[batch.free_slots :]
                 absorb(batch.add_many(joining))
             absorb(batch.step())

@@ -139,8 +139,8 @@ def speculative_round(parts: RoundParts, rows: list[Row], in_flight: int) -> Rou
     host, logprobs = read()  # the one sync per round: the committed tokens go back to the caller
     tail = 1 if plan.choose_next else 0  # columns after the accepted length: the next round's size rides along
     runner.timer.stop()  # the calibration's host time is no stage's
-    budget.finished(plan, m, size, host[0][-1] if plan.choose_next else None, time.perf_counter() - started,
-                    runner.captures != captures)
+    seconds, captured = (time.perf_counter() - started, runner.captures != captures) if plan.calibrates else (0.0, False)
+    budget.finished(plan, m, size, host[0][-1] if plan.choose_next else None, seconds, captured)
     slots.clear_padding(n, m)
     outputs = []
     for slot, row in enumerate(rows):
