@@ -138,8 +138,9 @@ def write_plan(path: Path, cells: Sequence[tuple[int, int, Sequence[Sequence[int
 def measuring(factory: Any, plan: Path) -> Any:
     """A SchedulerFactory (ddtree.serving.engine_worker) that opens the server's scheduler with `factory`, warms it
     as it serves, runs each of `plan`'s cells once untimed (the captures they meet are made), and listens at the
-    plan's address: each request (a cell's index) is one timed repeat, run with the scheduler paused. Runs in the
-    engine process before it reports itself loaded, so what it raises stops the server with its message."""
+    plan's address: each request (a cell's index) is one timed repeat, run on the scheduler's thread while it is
+    idle (Scheduler.run_idle). Runs in the engine process before it reports itself loaded, so what it raises
+    stops the server with its message."""
 
     def open_measured(engine: Any, context_length: int, metrics: Any, deliver: Any) -> Any:
         scheduler = factory(engine, context_length, metrics, deliver)
