@@ -183,9 +183,9 @@ class RoundCostCalibration:
     (mean - table) gap of the sizes with at least `min_samples` rounds at that row count. The shift is what
     the table leaves out for every size alike (the host's part of a round, a longer context than it was
     timed at); the differences between sizes stay the table's, so the table must carry them (a graphed
-    batch times every captured round in place, DecodeBatch._capture_tree_sizes). Taking the measured mean
-    for the sizes that ran and the table for the rest instead held auto on its first choice whenever the
-    table's slope was too flat: the rounds never ran the size that would have measured better.
+    batch times every captured round in place: ddtree.round_costs.AutoBudget.capture_tree_sizes). Taking the
+    measured mean for the sizes that ran and the table for the rest instead held auto on its first choice
+    whenever the table's slope was too flat: the rounds never ran the size that would have measured better.
     """
 
     def __init__(self, alpha: float = 0.2, min_samples: int = 2) -> None:

@@ -1,9 +1,9 @@
 """The engine: a target (and optionally a DFlash drafter) ready to decode with AR, DFLASH or DDTREE.
 
 `Engine` loads the models, picks the verify attention and whether rounds run as CUDA graphs, measures
-budget auto's cost model once, opens decode batches and runs `generate` over one. What happens in a batch
-and its rounds is ddtree.decode (DecodeBatch); prefill, the graphed rounds and budget auto's costs sit
-beside it (ddtree.prefill, ddtree.round_graphs, ddtree.round_costs). Token ids only, no text.
+budget auto's cost model once, opens decode batches and runs `generate` over one. A batch is ddtree.decode
+(DecodeBatch, the slots), its round ddtree.round (draft -> verify -> accept); the batch's parts sit beside them
+(ddtree.slots, ddtree.prefill, ddtree.round_graphs, ddtree.round_costs). Token ids only, no text.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Engine:
                    run_ahead: bool = True) -> DecodeBatch:
         """profile: synchronise the device around each stage so the per-stage timings are exact.
         None (the default) = only where that is free (the CPU); on CUDA the stage clocks then time
-        the host's enqueueing, and the round runs without waiting on the device. run_ahead: step() may
+        the host's enqueueing, and the round runs without waiting on the device. run_ahead: collect() may
         launch the next round before reading this one's tokens (ddtree.decode; not while profiling)."""
         max_len = max_len if max_len is not None else self.max_context + spec.max_nodes
         if profile is None:
@@ -166,9 +166,9 @@ class Engine:
         return DecodeBatch(self, spec, max_batch, max_len, profile=profile, prefill_tokens=prefill_tokens,
                            graph_cache=GraphCache if self.cuda_graphs else None, run_ahead=run_ahead)
 
-    def _generate_batch(self, spec: SpecConfig, max_batch: int, max_len: int, profile: bool | None) -> DecodeBatch:
-        """A fresh batch, or (graphed engines) a pooled empty one of the same spec and rows whose cache is
-        long enough: its graphs replay instead of being captured again."""
+    def pooled_batch(self, spec: SpecConfig, max_batch: int, max_len: int, profile: bool | None) -> DecodeBatch:
+        """The batch generate() runs on, empty: a fresh one, or (graphed engines) a pooled one of the same spec
+        and rows whose cache is long enough: its graphs replay instead of being captured again."""
         if not self.cuda_graphs:
             return self.open_batch(spec, max_batch, max_len, profile=profile)
         key = (spec, max_batch, profile)
@@ -176,7 +176,7 @@ class Engine:
         if batch is None or batch.max_len < max_len:
             batch = self.open_batch(spec, max_batch, max_len, profile=profile)
         batch.clear()  # a generate that raised may have left rows behind
-        batch.timer = StageTimer(self.device, sync=batch.timer.sync)
+        batch.runner.timer = StageTimer(self.device, sync=batch.timer.sync)  # this generation's stage times
         self._pooled[key] = batch  # most recent last
         while len(self._pooled) > POOLED_BATCHES:
             self._pooled.pop(next(iter(self._pooled)))
@@ -215,7 +215,7 @@ class Engine:
         else:
             prompts = [list(p) for p in cast(Sequence[Sequence[int]], prompt_ids)]
         longest = max(len(p) for p in prompts)
-        batch = self._generate_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
+        batch = self.pooled_batch(spec, max_batch or len(prompts), longest + max_new_tokens + spec.max_nodes,
                                      profile)
         reqs = [Request(str(i), p, max_new_tokens, temperature, seed, tuple(stop_token_ids or ()), ignore_eos,
                         top_p=top_p, top_k=top_k, min_p=min_p, min_new_tokens=min_new_tokens,
@@ -241,7 +241,7 @@ class Engine:
 
         while pending or batch.active:
             while pending and batch.free_slots:  # a request finished at its first token frees its slot again
-                absorb(batch.settle())  # a round step() launched ahead comes back before anyone joins
+                absorb(batch.settle())  # a round launched ahead comes back before anyone joins
                 joining, pending = pending[: batch.free_slots], pending[batch.free_slots :]
                 absorb(batch.add_many(joining))
             absorb(batch.step())

@@ -5,20 +5,24 @@ small. A graphed batch prefills a lone short request by replaying a graph captur
 (`PrefillStaging`): eager, a prefill's ~150 launches are mostly host time. Either way the first token is
 the target's own and the one sync hands it back.
 
-`Prefill` is a part of ddtree.decode.DecodeBatch: it reads the batch's engine, spec, slots (cache, ctx,
-bonus, temps, seeds), rows, timer and graphs, and sets and reads the slots' sampling state through
-ddtree.slot_sampling's `_set_sampling`, `_mode_of` and `_choose`.
+`Prefill` works on the batch's slots (ddtree.slots: caches, bonus tokens, sampling state) and runs through
+its stage runner (graphs and stage timer); the batch hands it the rows the new requests join.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ddtree.config import SpecConfig
 from ddtree.request import Request, Row, StepOutput, emit
+from ddtree.round_graphs import StageRunner
 from ddtree.sampling import Mode, token_logprobs
+from ddtree.slot_sampling import mode_of
+from ddtree.slots import Slots
 
 PREFILL_TOKENS = 8192  # default bound on padded tokens per prefill forward (activation memory)
 # A graphed batch prefills a lone request of up to this many tokens by replaying a graph (per power-of-two
@@ -82,43 +86,50 @@ class PrefillStaging:
 
 
 class Prefill:
-    """DecodeBatch's prefill: `_prefill` puts requests into the next free slots and returns their first tokens."""
+    """Requests join a batch: `run` puts them into the next free slots and returns their first tokens."""
 
-    def _prefill(self, requests: list[Request]) -> list[StepOutput]:
-        """One right-padded target forward for `requests` into the next free slots; their first tokens."""
-        eng = self.engine
+    def __init__(self, engine: Any, spec: SpecConfig, slots: Slots, runner: StageRunner, max_len: int,
+                 cache_len: int) -> None:
+        """engine: ddtree.decode.BatchEngine; max_len: a prompt longer than this never prefills graphed;
+        cache_len: positions a slot holds (the graphed staging context's length)."""
+        self.engine, self.spec, self.slots, self.runner = engine, spec, slots, runner
+        self.max_len, self.cache_len, self.device = max_len, cache_len, slots.device
+        self.staging: PrefillStaging | None = None  # graphed prefills' staging rows, made on first use
+
+    def run(self, requests: list[Request], rows: list[Row]) -> list[StepOutput]:
+        """One right-padded target forward for `requests` into the slots after `rows`, which they join; their
+        first tokens."""
+        eng, timer = self.engine, self.runner.timer
         seeds = [r.seed if r.seed is not None else random.SystemRandom().randrange(1 << 31) for r in requests]
-        self.timer.start("prefill")
-        if (self.graphs is not None and len(requests) == 1
+        timer.start("prefill")
+        if (self.runner.graphs is not None and len(requests) == 1
                 and len(requests[0].prompt_ids) <= min(GRAPHED_PREFILL_TOKENS, self.max_len)):
-            tokens, logprobs = self._prefill_graphed(requests[0], seeds[0])
+            tokens, logprobs = self._graphed(requests[0], seeds[0], len(rows))
         else:
-            tokens, logprobs = self._prefill_eager(requests, seeds)
-        self.timer.stop()
+            tokens, logprobs = self._eager(requests, seeds, len(rows))
+        timer.stop()
         outputs = []
         for i, request in enumerate(requests):
             stop_ids = set(request.stop_token_ids)
             if not request.ignore_eos and eng.eos_token_id is not None:
                 stop_ids.add(eng.eos_token_id)
             row = Row(request, committed=len(request.prompt_ids), stop_ids=frozenset(stop_ids))
-            self.rows.append(row)
+            rows.append(row)
             outputs.append(emit(row, [tokens[i]], accept=None,
                                 logprobs=[logprobs[i]] if logprobs is not None and request.return_logprob else None))
         return outputs
 
-    def _prefill_eager(self, requests: list[Request], seeds: list[int]) -> tuple[list[int], list[float] | None]:
-        eng, k = self.engine, len(requests)
-        start, stop = len(self.rows), len(self.rows) + k
+    def _eager(self, requests: list[Request], seeds: list[int], start: int) -> tuple[list[int], list[float] | None]:
+        eng, slots, k = self.engine, self.slots, len(requests)
+        stop = start + k
         lengths = [len(r.prompt_ids) for r in requests]
         width = max(lengths)
         padded = [r.prompt_ids + [0] * (width - len(r.prompt_ids)) for r in requests]
         ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [k, width]
         real = torch.tensor(lengths, dtype=torch.long, device=self.device)  # [k]
-        self.temps[start:stop] = torch.tensor([float(r.temperature) for r in requests], device=self.device)
-        self.seeds[start:stop] = torch.tensor(seeds, dtype=torch.long, device=self.device)
-        self._set_sampling(start, requests)
+        slots.sampling.set_rows(start, requests, seeds)
         fresh = torch.ones(k, dtype=torch.bool, device=self.device)
-        cache = self.cache.rows(start, stop)
+        cache = slots.cache.rows(start, stop)
         cache.reset(fresh)
         positions = torch.arange(width, device=self.device)[None].expand(k, -1)  # [k, width]
         taps_layers = eng.tap_layers if self.spec.speculative else None
@@ -127,32 +138,30 @@ class Prefill:
         logits, taps = eng.target.forward(ids, positions, cache, None, taps_layers, kv_len_hint=width,
                                           logit_positions=(real - 1)[:, None])  # logits [k, 1, V]
         cache.advance(real)
-        if self.ctx is not None:
-            ctx = self.ctx.rows(start, stop)
+        if slots.ctx is not None:
+            ctx = slots.ctx.rows(start, stop)
             ctx.reset(fresh)
             eng.drafter.append_context(ctx, taps, positions, real)  # counts = real: padding is skipped
-        mode = self._mode_of(requests, [0] * k)
-        first = self._choose(logits, slice(start, stop), real[:, None], mode)[:, 0]
-        self.bonus[start:stop] = first
+        mode = mode_of(requests, [0] * k)
+        first = slots.sampling.choose(logits, slice(start, stop), real[:, None], mode)[:, 0]
+        slots.bonus[start:stop] = first
         logprobs = token_logprobs(logits, first[:, None])[:, 0].tolist() if mode & Mode.LOGPROBS else None
         return first.tolist(), logprobs  # the one sync: hand the first tokens back
 
-    def _prefill_graphed(self, request: Request, seed: int) -> tuple[list[int], list[float] | None]:
+    def _graphed(self, request: Request, seed: int, slot: int) -> tuple[list[int], list[float] | None]:
         """The eager prefill's work for one request, replayed from a graph captured per width bucket."""
-        eng, slot, width = self.engine, len(self.rows), len(request.prompt_ids)
-        if self._staging is None:
-            self._staging = PrefillStaging(eng.target, eng.drafter if self.ctx is not None else None,
-                                           min(GRAPHED_PREFILL_TOKENS, self.max_len), self.spec.draft_window,
-                                           self.cache_len, self.device)  # the batch context's rows
-        st = self._staging
+        eng, slots, width = self.engine, self.slots, len(request.prompt_ids)
+        if self.staging is None:
+            self.staging = PrefillStaging(eng.target, eng.drafter if slots.ctx is not None else None,
+                                          min(GRAPHED_PREFILL_TOKENS, self.max_len), self.spec.draft_window,
+                                          self.cache_len, self.device)  # the batch context's rows
+        st = self.staging
         bucket = st.bucket(width)
         st.ids[0, :bucket].copy_(torch.tensor(request.prompt_ids + [0] * (bucket - width), dtype=torch.long))
         st.real.fill_(width)
         st.dst.fill_(slot)
-        self.temps[slot] = float(request.temperature)
-        self.seeds[slot] = seed
-        self._set_sampling(slot, [request])
-        mode = self._mode_of([request], [0])
+        slots.sampling.set_row(slot, request, seed)
+        mode = mode_of([request], [0])
         taps_layers = eng.tap_layers if self.spec.speculative else None
 
         def prefill() -> torch.Tensor:
@@ -162,20 +171,21 @@ class Prefill:
             logits, taps = eng.target.forward(ids, positions, cache, None, taps_layers, kv_len_hint=bucket,
                                               logit_positions=(st.real - 1)[:, None])
             cache.advance(st.real)
-            for mine, theirs in ((cache.k, self.cache.k), (cache.v, self.cache.v)):  # into the request's slot
+            for mine, theirs in ((cache.k, slots.cache.k), (cache.v, slots.cache.v)):  # into the request's slot
                 theirs[:, :, :, :bucket].index_copy_(1, st.dst, mine)
-            self.cache.lengths.index_copy_(0, st.dst, cache.lengths)
-            if st.ctx is not None and self.ctx is not None:
+            slots.cache.lengths.index_copy_(0, st.dst, cache.lengths)
+            if st.ctx is not None and slots.ctx is not None:
                 st.ctx.total.zero_()
                 eng.drafter.append_context(st.ctx, taps, positions, st.real)
-                self.ctx.k.index_copy_(1, st.dst, st.ctx.k)
-                self.ctx.v.index_copy_(1, st.dst, st.ctx.v)
-                self.ctx.total.index_copy_(0, st.dst, st.ctx.total)
-            first = self._choose(logits, st.dst, st.real[:, None], mode)[:, 0]
-            self.bonus.index_copy_(0, st.dst, first)
+                slots.ctx.k.index_copy_(1, st.dst, st.ctx.k)
+                slots.ctx.v.index_copy_(1, st.dst, st.ctx.v)
+                slots.ctx.total.index_copy_(0, st.dst, st.ctx.total)
+            first = slots.sampling.choose(logits, st.dst, st.real[:, None], mode)[:, 0]
+            slots.bonus.index_copy_(0, st.dst, first)
             return torch.cat([first.double(), token_logprobs(logits, first[:, None])[:, 0].double()])
 
-        assert self.graphs is not None
+        graphs = self.runner.graphs
+        assert graphs is not None
         # the token and its log-prob in one tensor: one read (float64 holds every token id exactly)
-        first, logprob = self.graphs.run(("prefill", bucket, mode), prefill, self._graph_state()).tolist()
+        first, logprob = graphs.run(("prefill", bucket, mode), prefill, self.runner.state()).tolist()
         return [int(first)], [logprob] if mode & Mode.LOGPROBS else None  # the one sync: hand the first token back

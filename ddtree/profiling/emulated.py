@@ -32,6 +32,11 @@ class EmulatedBatch:
     waits `prefill_s` + its padded tokens x `prefill_token_s`: a burst prefilled in several groups then
     costs what it does on a device, a fixed cost per forward more."""
 
+    forward_cost = 0  # the prefill's chunks weigh prefill_s instead (prefill_seconds)
+    graphs: object | None = None  # its rounds are no graphs: nothing to warm up
+    last_budget: int | None = None  # a fixed budget: no tree sizes to report
+    budget_rounds = budget_total = 0
+
     def __init__(self, spec: SpecConfig, max_batch: int, max_len: int, round_s: float, prefill_s: float,
                  tokens_per_round: int, prefill_token_s: float = 0.0, prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.spec, self.max_batch, self.max_len = spec, max_batch, max_len
@@ -47,6 +52,10 @@ class EmulatedBatch:
     @property
     def free_slots(self) -> int:
         return self.max_batch - len(self.rows)
+
+    @property
+    def round_ahead(self) -> bool:
+        return False  # its rounds never run ahead
 
     def validate(self, request: Request) -> None:
         if not request.prompt_ids:
@@ -91,7 +100,8 @@ class EmulatedBatch:
             raise RuntimeError("a round is already launched: collect it first")
         self._launched_at = time.perf_counter()
 
-    def collect(self) -> list[StepOutput]:
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        """DecodeBatch.collect (run_ahead: ignored, its rounds never run ahead)."""
         launched, self._launched_at = self._launched_at, None
         if launched is None:
             raise RuntimeError("no round launched")
@@ -106,6 +116,10 @@ class EmulatedBatch:
 
     def cancel(self, request_id: str) -> bool:
         return self.rows.pop(request_id, None) is not None
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self._launched_at = None
 
     def _emit(self, row: list[Any], count: int, accept: int | None) -> StepOutput:
         request, output = row[0], row[1]

@@ -183,7 +183,7 @@ def measure_syncs(engine: Engine, prompts: list[list[int]], spec: SpecConfig, ma
     if engine.device.type != "cuda" or max_new_tokens < 48:
         return None
     longest = max(len(p) for p in prompts)
-    batch = engine._generate_batch(spec, len(prompts), longest + max_new_tokens + spec.max_nodes, None)
+    batch = engine.pooled_batch(spec, len(prompts), longest + max_new_tokens + spec.max_nodes, None)
     try:
         batch.add_many([Request(str(i), p, max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)])
         counts = round_syncs(batch, rounds=3, warmup_rounds=2)

@@ -12,7 +12,7 @@ in its engine process compares two starts as much as it measures HTTP. Measured 
 on the batch it serves (same graphs, same memory, same CPUs), in the state it serves in (after the
 scheduler's graph warm-up, the heap frozen, the scheduler's GIL switch interval), the ratio compares one
 process with itself. Each in-process repeat runs when the bench asks for it, between its HTTP repeats
-(the scheduler held idle meanwhile: Scheduler.paused), so a host that drifts moves both sides alike.
+(run on the scheduler's thread while it is idle: Scheduler.run_idle), so a host that drifts moves both sides alike.
 Why multiprocessing.connection: a framed, authenticated request/reply over a Unix socket is what it is
 for; the socket is in Linux's abstract namespace, so there is no file to clean up or path to outgrow.
 """
@@ -138,14 +138,15 @@ def write_plan(path: Path, cells: Sequence[tuple[int, int, Sequence[Sequence[int
 def measuring(factory: Any, plan: Path) -> Any:
     """A SchedulerFactory (ddtree.serving.engine_worker) that opens the server's scheduler with `factory`, warms it
     as it serves, runs each of `plan`'s cells once untimed (the captures they meet are made), and listens at the
-    plan's address: each request (a cell's index) is one timed repeat, run with the scheduler paused. Runs in the
-    engine process before it reports itself loaded, so what it raises stops the server with its message."""
+    plan's address: each request (a cell's index) is one timed repeat, run on the scheduler's thread while it is
+    idle (Scheduler.run_idle). Runs in the engine process before it reports itself loaded, so what it raises
+    stops the server with its message."""
 
     def open_measured(engine: Any, context_length: int, metrics: Any, deliver: Any) -> Any:
         scheduler = factory(engine, context_length, metrics, deliver)
         spec = json.loads(Path(plan).read_text())
         cells, max_new = spec["cells"], spec["max_new_tokens"]
-        on_a_thread(scheduler._warm_up)
+        on_a_thread(scheduler.warm_up)
         freeze_heap()
         if scheduler.switch_interval_s is not None:
             sys.setswitchinterval(scheduler.switch_interval_s)
@@ -168,10 +169,12 @@ def _answer(listener: Any, engine: Any, scheduler: Any, cells: list[dict[str, An
                 return
             try:
                 cell = cells[index]
-                with scheduler.paused():
+                def measure(cell: dict[str, Any] = cell) -> Any:
                     time.sleep(SETTLE_S)
-                    (rep,) = measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"], max_new, 1,
-                                          warm=False)
+                    return measure_cell(engine, scheduler.batch, cell["prompts"], cell["concurrency"], max_new, 1,
+                                        warm=False)
+
+                (rep,) = scheduler.run_idle(measure)
                 conn.send(rep)  # pickled: RequestRecords and all
             except Exception as err:  # the bench raises it; the server goes on serving
                 conn.send({"error": f"{type(err).__name__}: {err}"})

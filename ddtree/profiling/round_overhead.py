@@ -56,6 +56,14 @@ MODES = ("in process", "served", "served, no overlap", "served, to a pipe")
 class ZeroBatch:
     """The DecodeBatch protocol at no cost: one token per row per round, nothing else."""
 
+    max_len = 1 << 30
+    prefill_tokens: int | None = None
+    forward_cost = 0
+    graphs = None
+    last_budget: int | None = None
+    budget_rounds = budget_total = 0
+    round_ahead = False
+
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
         self.rows: dict[str, list[Any]] = {}  # id -> [request, tokens so far]
@@ -83,9 +91,15 @@ class ZeroBatch:
     def launch(self) -> None:
         self._launched = True
 
-    def collect(self) -> list[StepOutput]:
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
         self._launched = False
         return self._emit(list(self.rows.values()), verify=True)
+
+    def settle(self) -> list[StepOutput]:
+        return []
+
+    def clear(self) -> None:
+        self.rows.clear()
 
     def step(self) -> list[StepOutput]:
         self._launched = False
@@ -107,15 +121,19 @@ class ZeroBatch:
 
 
 class StepOnly:
-    """A batch seen through step() alone (no launch/collect): the scheduler then hands a round out before
-    launching the next."""
+    """A batch whose launch() does nothing and whose collect() is its whole step(): the scheduler then hands a
+    round out before the next one runs."""
 
     def __init__(self, batch: Any) -> None:
         self._batch = batch
 
+    def launch(self) -> None:
+        pass
+
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        return self._batch.step()
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("launch", "collect"):
-            raise AttributeError(name)
         return getattr(self._batch, name)
 
 
@@ -251,16 +269,13 @@ def choice_state(batch: Any) -> tuple[Any, ...] | None:
     """Budget auto's state that carries from one run to the next on a batch (the size chosen ahead, the
     choosing rounds' phase, the running mean of gains), to start every run from the same one: then every
     mode verifies the same tree sizes (graphed; an eager batch also calibrates its costs as it goes)."""
-    gains = getattr(batch, "_gains", None)
-    if gains is None:
-        return None
-    return batch._next_budget, batch._rounds_ahead, gains.clone()
+    budget = getattr(batch, "budget", None)  # a DecodeBatch's (ddtree.round_costs); other batches have none
+    return budget.snapshot() if budget is not None else None
 
 
 def restore_choice_state(batch: Any, state: tuple[Any, ...] | None) -> None:
     if state is not None:
-        batch._next_budget, batch._rounds_ahead = state[0], state[1]
-        batch._gains.copy_(state[2])
+        batch.budget.restore(state)
 
 
 def run_config(batch: Any, device: Any, requests: list[Request], repeats: int, on_gpu: bool,
@@ -370,7 +385,7 @@ def run_batches(args: argparse.Namespace, parser: ToolParser, row_counts: list[i
                 if warmed:  # the server's graph warm-up first: every row bucket, largest first, and the prefills
                     warm = Scheduler(batch, slots, warm_token=next(t for t in range(engine.vocab_size)
                                                                     if t != engine.eos_token_id))
-                    on_a_thread(warm._warm_up)
+                    on_a_thread(warm.warm_up)
                 prompts = code_prompts(codec, args.context, rows)
             requests = [Request(f"r{i}", list(p), args.max_new_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
             if not measure(label, rows, batch, device, prompts, requests, on_gpu):

@@ -7,15 +7,14 @@ cancellations, run one round for everything running, then hand what that iterati
 `loop.call_soon_threadsafe` per round, not one per request (each is a wake-up of the event loop
 and a write to its self-pipe, under the GIL the round needs too), or the engine process's Relay
 into a pipe. Without `deliver`, each event goes to its request's sink on this thread. Nothing here
-knows about HTTP or text.
+knows about HTTP or text; the batch is seen through DecodeBatchLike (ddtree.serving.admission) alone.
 
 Three things keep a served round as fast as the engine's own:
-- a batch that splits its round (DecodeBatch.launch / collect) gets round N + 1 launched before round
-  N's outputs are handed out (metrics, events, the relay's pickle and write: ~1-2 us a row of Python),
-  so that work runs while the device does, not between two rounds (_serve says when it cannot); a
-  batch that runs ahead (its `run_ahead`; off with --disable-overlap-schedule) launches round N + 1
-  before it reads round N's tokens, so the device does not wait for the host's bookkeeping or this
-  loop between the two either; it is settled before requests join or leave;
+- round N + 1 is launched before round N's outputs are handed out (metrics, events, the relay's pickle
+  and write: ~1-2 us a row of Python), so that work runs while the device does (_serve says when it
+  cannot); a batch that runs ahead (DecodeBatch's `run_ahead`; off with --disable-overlap-schedule)
+  launches round N + 1 inside round N's `collect(run_ahead=True)`, before it reads round N's tokens, so
+  the device does not wait for this loop between the two either; it is settled before rows join or leave;
 - on a CUDA device the GIL's switch interval drops to SWITCH_INTERVAL_S while the thread runs: a round waits on the
   device with the GIL released and needs it back the moment the device is done; with CPython's
   default (5 ms) a busy event loop keeps it for up to 5 ms, several rounds' worth on a GPU;
@@ -27,20 +26,25 @@ Three things keep a served round as fast as the engine's own:
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
 
-from ddtree.cuda_graphs import ROW_BUCKETS
 from ddtree.engine import Request, StepOutput
 from ddtree.errors import RequestError
-from ddtree.prefill import prefill_chunks
+from ddtree.serving.admission import (
+    BURST_GAP_S,
+    BURST_WAIT_S,
+    DecodeBatchLike,
+    Ticket,
+    admit_now,
+    prefill,
+    warm_up,
+)
 from ddtree.serving.metrics import ServerMetrics
 from ddtree.serving.wire import Deliver, Event, Failure, Sink
 
@@ -50,36 +54,7 @@ log = logging.getLogger("ddtree.server")
 # waits this long before the holder is asked to let go: the most a busy event loop delays a round that has
 # finished waiting on the device. Measured with the emulated 1 ms round at 32 streams (docs/perf.md).
 SWITCH_INTERVAL_S = 0.0005
-WARM_PREFILL_WIDTHS = (64, 128, 256, 512, 1024, 2048, 4096)  # lone prompts a graphed batch replays a prefill for
-WARM_NEW_TOKENS = 40  # tokens per warm-up request: >= 3 rounds at block 16 (budget auto captures from its second)
-# A burst of arrivals (each within BURST_GAP_S of the one before) is held back from admission until it stops
-# (BURST_GAP_S with no arrival), fills one prefill forward (the batch's prefill_tokens), or its oldest has waited
-# BURST_WAIT_S: then it is prefilled as one group, not as several, each a prefill of its own with decode rounds
-# in between. An arrival with none in the BURST_GAP_S before it (a lone request: every one at concurrency 1)
-# is never held. Rows already running keep running their rounds meanwhile.
-BURST_GAP_S = 0.001
-BURST_WAIT_S = 0.004
-
-
-class DecodeBatchLike(Protocol):
-    """What the scheduler needs of ddtree.engine.DecodeBatch (and what the test fake provides)."""
-
-    @property
-    def free_slots(self) -> int: ...
-
-    @property
-    def active(self) -> int: ...
-
-    def add(self, request: Request) -> list[StepOutput] | None: ...  # the first token(s)
-
-    # Optional (the scheduler looks them up): add_many(requests) -> list[StepOutput] prefills several
-    # at once; validate(request) raises the RequestError add would, without a forward; graphs (not None:
-    # rounds are CUDA graphs, captured when first met) and max_len, for the warm-up; launch() and collect()
-    # (step() in two: the loop hands the last round out in between).
-
-    def step(self) -> list[StepOutput]: ...
-
-    def cancel(self, request_id: str) -> object: ...
+T = TypeVar("T")
 
 
 class Inbox(Protocol):
@@ -112,17 +87,6 @@ def deliver_inline(items: list[tuple[Sink, Event]]) -> None:
         sink(event)
 
 
-@dataclass
-class _Ticket:
-    request: Request
-    sink: Sink
-    counted: bool = True  # False for the server's own warm-up and health probes: kept out of metrics
-    verify_steps: int = 0  # last cumulative count seen, to turn it into per-round deltas
-    arrived: float = 0.0  # time.perf_counter() at submit
-    in_burst: bool = False  # it arrived within burst_gap_s of the arrival before it
-    held_at: float | None = None  # when the scheduler first held it back for the rest of its burst
-
-
 def abort_output(request_id: str, verify_steps: int) -> StepOutput:
     return StepOutput(request_id, [], True, "abort", verify_steps, [])
 
@@ -150,8 +114,8 @@ class Scheduler:
         self.burst_gap_s, self.burst_wait_s = burst_gap_s, burst_wait_s
         self._last_arrival = -float("inf")  # time.perf_counter() of the latest submit (guarded by _cond)
         self._cond = threading.Condition()
-        self._pending: collections.deque[_Ticket] = collections.deque()
-        self._running: dict[str, _Ticket] = {}
+        self._pending: collections.deque[Ticket] = collections.deque()
+        self._running: dict[str, Ticket] = {}
         self._known: set[str] = set()  # ids queued or running (guarded by _cond)
         self._cancels: set[str] = set()
         self._stop = False
@@ -165,26 +129,10 @@ class Scheduler:
         # freezes its heap again there, the graphs' Python objects with it (engine_process.freeze_heap)
         self.after_warm_up: Callable[[], None] | None = None
         self.inbox: Inbox | None = None  # set before start(): the idle thread waits on it, not on the Condition
+        # run_idle's calls, each with the future its caller waits on (guarded by _cond)
+        self._idle_calls: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
 
     # -- called from any thread ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def paused(self, poll_s: float = 0.001) -> Iterator[None]:
-        """Hold the scheduler between requests: wait until nothing runs, waits or is being cancelled, then keep its
-        thread from admitting or running anything until the block ends. Meanwhile the caller may drive the batch
-        itself (ddtree.bench.in_process measures it in process between served requests); arrivals queue up."""
-        while True:
-            self._cond.acquire()
-            # _running empties at the last request's hand-out, after which the thread touches the batch again
-            # only once it has taken _cond
-            if not self._running and not self._pending and not self._cancels:
-                break
-            self._cond.release()
-            time.sleep(poll_s)
-        try:
-            yield
-        finally:
-            self._cond.release()
-
     def start(self) -> None:
         if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
             sys.setswitchinterval(self.switch_interval_s)
@@ -230,7 +178,7 @@ class Scheduler:
                     errors.append(RequestError(f"rid: {request.request_id!r} is already in flight", field="rid"))
                 else:
                     self._known.add(request.request_id)
-                    self._pending.append(_Ticket(request, sink, counted, arrived=now,
+                    self._pending.append(Ticket(request, sink, counted, arrived=now,
                                                  in_burst=now - self._last_arrival < self.burst_gap_s))
                     self._last_arrival = now
                     errors.append(None)
@@ -268,11 +216,22 @@ class Scheduler:
 
     def budget_state(self) -> tuple[int, float] | None:
         """Budget auto's last chosen tree size and its mean since start; None for a fixed budget."""
-        batch = self.batch
-        rounds = getattr(batch, "budget_rounds", 0)
-        if not rounds:
-            return None
-        return batch.last_budget, batch.budget_total / rounds  # type: ignore[attr-defined]
+        b = self.batch
+        return (b.last_budget, b.budget_total / b.budget_rounds) if b.budget_rounds and b.last_budget else None
+
+    def run_idle(self, fn: Callable[[], T]) -> T:
+        """fn() on the scheduler's thread (the batch's one owner) once nothing runs or is being cancelled, before
+        anything more is admitted (arrivals queue up meanwhile); its result, or what it raised."""
+        done: Future[T] = Future()
+        with self._cond:
+            if self._stop or not self.alive:
+                raise RuntimeError("the scheduler is not running")
+            self._idle_calls.append((fn, done))
+            self._changes += 1
+            self._cond.notify_all()
+        if self.inbox is not None:
+            self.inbox.wake()
+        return done.result()
 
     # -- the scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -281,6 +240,10 @@ class Scheduler:
         finally:
             if self.inbox is not None:
                 self.inbox.busy()  # however the loop ended, arrivals are read elsewhere again
+            with self._cond:
+                calls, self._idle_calls = list(self._idle_calls), collections.deque()
+            for _, done in calls:
+                done.set_exception(RuntimeError("the scheduler stopped"))
 
     def _serve(self) -> None:
         """The loop. Each iteration: take the cancels and the arrivals, launch a round, hand out the round
@@ -292,19 +255,12 @@ class Scheduler:
         cancel or a prefill sees what the rounds before it produced. A batch that runs ahead has the next
         round in flight when a collect returns: the next launch takes it, and before cancels or prefills
         it is settled (collected and handed out, after the round before it). Either way every request sees
-        its own events in order, each once, and the batch runs the same rounds."""
-        self._warm_up()
+        its own events in order, each once, and the batch runs the same rounds. A run_idle call runs when
+        nothing runs or is cancelled, before the arrivals queued with it."""
+        self.warm_up()
         if self.after_warm_up is not None:
             self.after_warm_up()
         batch, cond, pending = self.batch, self._cond, self._pending
-        launch = getattr(batch, "launch", None)
-        collect = getattr(batch, "collect", None)
-        split = launch is not None and collect is not None
-        settle = getattr(batch, "settle", None)
-        # a batch that runs ahead (DecodeBatch's run_ahead) launches round N + 1 inside round N's collect;
-        # one seen through step() alone may run ahead inside step() (either is settled before rows change)
-        ahead = split and settle is not None and getattr(batch, "run_ahead", False)
-        collect_round = functools.partial(collect, run_ahead=True) if ahead else collect
         held: tuple[list[StepOutput], float] | None = None  # the last round's outputs, and its seconds
         read_at = time.perf_counter()  # when the last round's outputs were read
         load = None
@@ -313,8 +269,10 @@ class Scheduler:
             waited = False  # on the inbox: this thread read the arrivals, and hands the reading back after them
             with cond:
                 while True:
-                    take, hold = self._admission(time.perf_counter()) if pending else (0, 0.0)
-                    if self._stop or self._cancels or held or self._running or take:
+                    idle = not (self._running or self._cancels or held)
+                    calling = idle and bool(self._idle_calls)  # a run_idle call goes before the arrivals
+                    take, hold = self._admission(time.perf_counter()) if pending and not calling else (0, 0.0)
+                    if self._stop or not idle or take or calling:
                         break  # with a burst held, the rows' rounds still run while it gathers
                     if inbox is None:
                         cond.wait(hold or None)
@@ -327,6 +285,7 @@ class Scheduler:
                         cond.acquire()
                 if self._stop:
                     break
+                call = self._idle_calls.popleft() if calling else None
                 cancels = admit = None
                 if self._cancels:
                     cancels, self._cancels = self._cancels, set()
@@ -335,8 +294,17 @@ class Scheduler:
             if held is not None and (cancels or admit):
                 self._hand_out(*held)  # before the cancels and the prefills, as they came
                 held = None
-            if (cancels or admit) and settle is not None and getattr(batch, "round_ahead", False):
-                read_at = self._settle(settle, read_at)  # rows join or leave with no round in flight
+            if (cancels or admit or call) and batch.round_ahead:
+                read_at = self._settle(read_at)  # rows join or leave (or a run_idle call runs) with no round in flight
+            if call is not None:
+                if waited:
+                    inbox.busy()  # type: ignore[union-attr]  # arrivals are read elsewhere while the call runs
+                    waited = False
+                fn, done = call
+                try:
+                    done.set_result(fn())
+                except BaseException as err:  # raised on the caller's thread instead
+                    done.set_exception(err)
             if cancels:
                 for request_id in cancels:
                     self._cancel_running(request_id)
@@ -346,11 +314,11 @@ class Scheduler:
             if waited:
                 inbox.busy()  # type: ignore[union-attr]  # after the first tokens: the reader's wake-up waits for them
             # a round launched ahead has run since the last read: its time counts from there
-            started = read_at if ahead and batch.round_ahead else time.perf_counter()  # type: ignore[attr-defined]
+            started = read_at if batch.round_ahead else time.perf_counter()
             launched = batch.active > 0
-            if launched and split:
+            if launched:
                 try:
-                    launch()
+                    batch.launch()
                 except Exception as err:
                     if held is not None:
                         self._hand_out(*held)
@@ -365,16 +333,14 @@ class Scheduler:
                 self.metrics.set_load(*load)
             self._flush()
             if launched:
-                if not split:
-                    started = time.perf_counter()  # a whole step() from here
-                outputs = self._collect(collect_round if split else batch.step)
+                outputs = self._collect()
                 read_at = time.perf_counter()
                 if outputs is not None:
                     held = (outputs, read_at - started)
         if held is not None:
             self._hand_out(*held)
-        if settle is not None and getattr(batch, "round_ahead", False):
-            self._settle(settle, read_at)
+        if batch.round_ahead:
+            self._settle(read_at)
         for request_id in list(self._running):
             self._cancel_running(request_id)
         with self._cond:
@@ -384,150 +350,47 @@ class Scheduler:
         self._flush()
 
     def _admission(self, now: float) -> tuple[int, float]:
-        """How many of the queued arrivals join now (the oldest first), and, when none, how much longer they
-        wait for the rest of their burst; under _cond, with something queued.
-
-        All that fits joins unless the oldest came within burst_gap_s of an arrival before it, the latest came
-        less than burst_gap_s ago, the oldest has been held back less than burst_wait_s (time spent queued
-        behind a prefill or a round, when it could not have joined anyway, does not count) and more could
-        still fit. Then only whole prefill forwards join (the batch's prefill_tokens over the longest prompt,
-        in rows), the rest waiting for more of the burst to fill theirs; none where the batch has no such
-        bound."""
-        pending = self._pending
+        """How many queued arrivals join now and, when none, how long they wait for the rest of their burst
+        (ddtree.serving.admission.admit_now); under _cond, with something queued."""
         room = min(self.batch.free_slots, self.max_running - len(self._running))
-        take = min(room, len(pending))
-        first = pending[0]
-        if not first.in_burst or take == room:
-            return take, 0.0  # a lone arrival, or all the room's worth: waiting gains nothing
-        if first.held_at is None:
-            first.held_at = now
-        left = min(self._last_arrival + self.burst_gap_s, first.held_at + self.burst_wait_s) - now
-        if left <= 0:
-            return take, 0.0  # the burst is over, or its oldest has waited long enough
-        bound = getattr(self.batch, "prefill_tokens", None)
-        if bound is not None:
-            rows = max(1, bound // max(len(t.request.prompt_ids) for t in pending))  # a forward's
-            if take >= rows:
-                return take - take % rows, 0.0  # the full forwards; the rest waits to fill its own
-        return 0, left
+        return admit_now(self._pending, room, self._last_arrival, self.burst_gap_s, self.burst_wait_s,
+                         self.batch.prefill_tokens, now)
 
     def _flush(self) -> None:
         if self._outbox:
             items, self._outbox = self._outbox, []
             self.deliver(items)
 
-    def _warm_up(self) -> None:
-        """On a graphed batch: a generation at every row bucket up to max_running (largest first) and a lone
-        prefill at every width a graph serves, so serving meets no capture. Greedy rounds only: a sampled
-        round's graphs (temperature > 0) are still captured when first met."""
-        batch, token = self.batch, self.warm_token
-        if token is None or getattr(batch, "graphs", None) is None:
+    def warm_up(self) -> None:
+        """On a graphed batch, before serving: the warm-up generations (ddtree.serving.admission.warm_up), so
+        serving meets no capture. The thread runs it first; call it only before start()."""
+        if self.warm_token is None or self.batch.graphs is None:
             return
         started = time.perf_counter()
-        max_len = getattr(batch, "max_len", 0)
-        buckets = sorted({b for b in ROW_BUCKETS if b < self.max_running} | {self.max_running}, reverse=True)
-        widths = [w for w in WARM_PREFILL_WIDTHS if w + WARM_NEW_TOKENS < max_len]
-        runs = [[Request(f"warm-{rows}-{i}", [token], WARM_NEW_TOKENS, ignore_eos=True) for i in range(rows)]
-                for rows in buckets if rows <= batch.free_slots]
-        runs += [[Request(f"warm-prefill-{w}", [token] * w, 1, ignore_eos=True)] for w in widths]
-        try:
-            for requests in runs:
-                self._warm_batch(requests)
-        except Exception:  # a failed warm-up costs speed, not service: what it missed is captured when met
-            log.exception("warm-up of the batch's CUDA graphs failed; serving without it")
-            batch.clear()  # the warm-up's rows (nothing else runs yet), a round launched ahead with them
+        buckets, widths = warm_up(self.batch, self.max_running, self.warm_token)
         self.warm_seconds = time.perf_counter() - started
         log.info("Warmed the batch's CUDA graphs (row buckets %s, prefill widths %s) in %.1f s",
-                 buckets[::-1], widths, self.warm_seconds)
+                 buckets, widths, self.warm_seconds)
 
-    def _warm_batch(self, requests: list[Request]) -> None:
-        """Prefill `requests` together (one alone: the lone prefill) and step until every one has finished."""
-        add_many = getattr(self.batch, "add_many", None)
-        first = add_many(requests) if add_many is not None and len(requests) > 1 else self.batch.add(requests[0])
-        left = {r.request_id for r in requests} - {o.request_id for o in first or [] if o.finished}
-        while left:
-            left -= {o.request_id for o in self.batch.step() if o.finished}
-        settle = getattr(self.batch, "settle", None)
-        if settle is not None:
-            settle()  # the round launched ahead of the last finish (theirs only: nothing to hand out)
+    def _admit_all(self, tickets: list[Ticket]) -> None:
+        """Prefill the admitted requests, together where they may be (ddtree.serving.admission.prefill)."""
+        prefill(self.batch, tickets, self._joined, self._refused, between=self._flush)
 
-    def _admit_all(self, tickets: list[_Ticket]) -> None:
-        """Prefill the admitted requests together where the batch can (one padded forward, not one each).
-
-        Each request is validated on its own first, so a bad one fails alone; only the valid ones are
-        batched, cut into forwards as the batch would cut them (ddtree.prefill.prefill_chunks, on a batch
-        with `prefill_tokens`), each forward's first tokens handed out as soon as it is done rather than
-        after the last. A batch without add_many/validate (e.g. a test fake) gets them one at a time.
-        """
-        add_many = getattr(self.batch, "add_many", None)
-        validate = getattr(self.batch, "validate", None)
-        if len(tickets) < 2 or add_many is None or validate is None:
-            for ticket in tickets:
-                self._admit(ticket)
-            return
-        valid = []
+    def _joined(self, tickets: list[Ticket], first: list[StepOutput]) -> None:
         for ticket in tickets:
-            try:
-                validate(ticket.request)
-            except RequestError as err:
-                self._fail(ticket, Failure(ticket.request.request_id, str(err), err.status_code, err.field))
-            else:
-                valid.append(ticket)
-        bound = getattr(self.batch, "prefill_tokens", None)
-        if bound is None or len(valid) < 2:
-            self._admit_group(valid, add_many)
-            return
-        lengths = [len(t.request.prompt_ids) for t in valid]
-        for chunk in prefill_chunks(lengths, bound, getattr(self.batch, "forward_cost", 0)):
-            self._admit_group([valid[i] for i in chunk], add_many)
-            self._flush()  # this forward's first tokens leave before the next forward runs (TTFT)
-
-    def _admit_group(self, valid: list[_Ticket], add_many: Callable[[list[Request]], list[StepOutput]]) -> None:
-        """Prefill validated requests in one add_many (one alone: add, a graphed batch's lone prefill)."""
-        if len(valid) < 2:
-            for ticket in valid:
-                self._admit(ticket)
-            return
-        try:
-            first = add_many([t.request for t in valid])
-        except Exception:
-            # Whatever went wrong, give each request its own chance and its own error: undo any that
-            # joined before the failure, then admit them one at a time.
-            log.exception("batched prefill of %d requests failed; admitting them one by one", len(valid))
-            for ticket in valid:
-                try:
-                    self.batch.cancel(ticket.request.request_id)
-                except Exception:
-                    log.exception("cancel after a failed batched prefill failed for %s", ticket.request.request_id)
-            for ticket in valid:
-                self._admit(ticket)
-            return
-        for ticket in valid:
             self._running[ticket.request.request_id] = ticket
             if ticket.counted:
                 self.metrics.record_admitted(len(ticket.request.prompt_ids))
-        self._dispatch(first or [])
+        self._dispatch(first)
 
-    def _admit(self, ticket: _Ticket) -> None:
-        request = ticket.request
-        try:
-            first = self.batch.add(request)  # the prefill; it yields the first token
-        except RequestError as err:
-            self._fail(ticket, Failure(request.request_id, str(err), err.status_code, err.field))
-            return
-        except Exception as err:  # an engine bug must not take the server down with it
-            log.exception("prefill failed for request %s", request.request_id)
-            self._fail(ticket, Failure(request.request_id, f"prefill failed: {err}", 500))
-            return
-        self._running[request.request_id] = ticket
-        if ticket.counted:
-            self.metrics.record_admitted(len(request.prompt_ids))
-        self._dispatch(first or [])
+    def _refused(self, ticket: Ticket, message: str, status_code: int, field: str | None) -> None:
+        self._fail(ticket, Failure(ticket.request.request_id, message, status_code, field))
 
-    def _collect(self, collect: Callable[[], list[StepOutput]]) -> list[StepOutput] | None:
-        """The launched round's outputs (or a whole step()'s); None if it failed."""
+    def _collect(self) -> list[StepOutput] | None:
+        """The launched round's outputs; None if it failed. A batch that runs ahead (DecodeBatch's run_ahead)
+        launches the next round inside this collect."""
         try:
-            outputs = collect()
+            outputs = self.batch.collect(run_ahead=True)
         except Exception as err:
             self._round_failed(err)
             return None
@@ -535,12 +398,12 @@ class Scheduler:
         self.last_round_at = time.monotonic()
         return outputs
 
-    def _settle(self, settle: Callable[[], list[StepOutput]], read_at: float) -> float:
+    def _settle(self, read_at: float) -> float:
         """Collect the round the batch launched ahead and hand it out (its time counted from `read_at`, the
         read of the round before it); returns when its outputs were read. A round ahead of finished rows only
         (the thread may have idled since) has no outputs, and is not counted as a served round."""
         try:
-            outputs = settle()
+            outputs = self.batch.settle()
         except Exception as err:
             self._round_failed(err)
             return time.perf_counter()
@@ -605,14 +468,14 @@ class Scheduler:
             log.exception("cancel failed for request %s", request_id)
         self._finish(ticket, abort_output(request_id, ticket.verify_steps))
 
-    def _finish(self, ticket: _Ticket, out: StepOutput) -> None:
+    def _finish(self, ticket: Ticket, out: StepOutput) -> None:
         with self._cond:
             self._known.discard(ticket.request.request_id)
         if ticket.counted:
             self.metrics.record_outcome(out.finish_reason or "abort")
         self._outbox.append((ticket.sink, out))
 
-    def _fail(self, ticket: _Ticket, failure: Failure) -> None:
+    def _fail(self, ticket: Ticket, failure: Failure) -> None:
         with self._cond:
             self._known.discard(ticket.request.request_id)
         if ticket.counted:

@@ -61,7 +61,15 @@ class _Row:
 
 
 class FakeBatch:
-    """DecodeBatch protocol: add (prefill, first token), step, cancel, free_slots, active."""
+    """The scheduler's batch protocol (ddtree.serving.admission.DecodeBatchLike): add (prefill, first token),
+    launch and collect (the round: step), cancel, free_slots, active; its rounds never run ahead."""
+
+    prefill_tokens: int | None = None  # no bound on a prefill forward: a burst is admitted whole
+    forward_cost = 0
+    graphs = None
+    last_budget: int | None = None
+    budget_rounds = budget_total = 0
+    round_ahead = False
 
     def __init__(self, engine: FakeEngine, spec: SpecConfig, max_batch: int, max_len: int) -> None:
         self.engine, self.spec, self.max_batch, self.max_len = engine, spec, max_batch, max_len
@@ -79,14 +87,16 @@ class FakeBatch:
     def free_slots(self) -> int:
         return self.max_batch - len(self.rows)
 
-    def add(self, request: Request) -> list[StepOutput]:
-        eng = self.engine
-        if eng.fail_add:
+    def validate(self, request: Request) -> None:
+        if self.engine.fail_add:
             raise RequestError("fake prefill refused", field="input_ids", status_code=422)
-        if self.free_slots <= 0:
-            raise RequestError("no free slot in the batch", field="batch", status_code=503)
         if len(request.prompt_ids) + request.max_new_tokens + self.spec.max_nodes > self.max_len:
             raise RequestError("prompt + max_new_tokens exceeds the batch length", field="max_new_tokens")
+
+    def add(self, request: Request) -> list[StepOutput]:
+        self.validate(request)
+        if self.free_slots <= 0:
+            raise RequestError("no free slot in the batch", field="batch", status_code=503)
         row = _Row(request)
         self.rows[request.request_id] = row
         self.added.append(request.request_id)
@@ -107,6 +117,21 @@ class FakeBatch:
             a = fake_accept(row.request.prompt_ids, row.rounds, self.block)
             outputs.append(self._emit(row, a, accept=a))
         return outputs
+
+    def add_many(self, requests: Sequence[Request]) -> list[StepOutput]:
+        return [out for request in requests for out in self.add(request)]
+
+    def launch(self) -> None:
+        pass  # the round runs in collect()
+
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
+        return self.step()
+
+    def settle(self) -> list[StepOutput]:
+        return []
+
+    def clear(self) -> None:
+        self.rows.clear()
 
     def cancel(self, request_id: str) -> bool:
         self.cancelled.append(request_id)

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from ddtree.config import SpecConfig
+from ddtree.cuda_graphs import ROW_BUCKETS
 from ddtree.engine import Request, StepOutput
 from ddtree.profiling import http_vs_engine as hve
 from ddtree.profiling.emulated import EmulatedBatch
 from ddtree.profiling.flags import FIXTURE_TARGET
 from ddtree.profiling.in_process import EngineChannel, measuring, run_in_process, write_plan
-from ddtree.serving.scheduler import ROW_BUCKETS, WARM_PREFILL_WIDTHS, Failure, Scheduler
+from ddtree.serving.admission import WARM_PREFILL_WIDTHS
+from ddtree.serving.scheduler import Failure, Scheduler
 from ddtree.serving.state import RequestStream
 
 AR = SpecConfig.from_id("ar")
@@ -97,22 +99,22 @@ class _GraphedBatch(EmulatedBatch):
         self.prompt_lengths += [len(r.prompt_ids) for r in requests]
         return super().add_many(requests)
 
-    def step(self):  # type: ignore[no-untyped-def]
+    def launch(self) -> None:
         self.rows_per_step.append(self.active)
-        return super().step()
+        super().launch()
 
 
 def test_warm_up_meets_every_row_bucket_and_prefill_width_before_serving() -> None:
     batch = _GraphedBatch()
     sched = Scheduler(batch, max_running=20, warm_token=5, switch_interval_s=None)
-    sched._warm_up()
+    sched.warm_up()
     buckets = [b for b in ROW_BUCKETS if b < 20] + [20]
     assert sorted(set(batch.rows_per_step)) == buckets
     assert [n for n in batch.prompt_lengths if n > 1] == list(WARM_PREFILL_WIDTHS)
     assert batch.active == 0 and sched.warm_seconds is not None
     plain = emulated()
     none = Scheduler(plain, max_running=4, warm_token=5, switch_interval_s=None)
-    none._warm_up()  # no graphs: nothing to warm
+    none.warm_up()  # no graphs: nothing to warm
     assert none.warm_seconds is None
 
 
@@ -288,20 +290,27 @@ def test_the_engine_process_measures_between_served_requests_and_keeps_serving(t
         sched.stop()
 
 
-def test_a_paused_scheduler_runs_nothing_until_the_pause_ends() -> None:
+def test_a_call_run_idle_runs_on_the_scheduler_thread_with_nothing_admitted_meanwhile() -> None:
     batch = emulated(max_batch=2)
     sched = Scheduler(batch, max_running=2, switch_interval_s=None)
     sched.start()
     done = threading.Event()
     try:
-        with sched.paused():
+        def while_idle() -> str:
             sched.submit(Request("r", [1, 2], 3, ignore_eos=True), lambda ev: ev.finished and done.set())
             assert not done.wait(0.2) and batch.active == 0  # queued, not admitted
+            return threading.current_thread().name
+
+        assert sched.run_idle(while_idle) == "ddtree-scheduler"
         assert done.wait(10)
-        with sched.paused():  # nothing runs or waits: the pause is taken at once
-            assert batch.active == 0
+        assert sched.run_idle(lambda: batch.active) == 0  # nothing runs or waits: the call runs at once
+        with pytest.raises(ZeroDivisionError):
+            sched.run_idle(lambda: 1 / 0)  # what the call raised, raised here; the scheduler serves on
+        assert sched.alive and sched.run_idle(lambda: 1) == 1
     finally:
         sched.stop()
+    with pytest.raises(RuntimeError, match="not running"):
+        sched.run_idle(lambda: None)
 
 
 def test_rows_are_handed_over_cell_by_cell_and_logs_stay_out_of_the_cwd(tmp_path: Path,

@@ -288,7 +288,7 @@ def test_bad_request_in_add_many_changes_nothing(engine: Engine) -> None:
     spec = SpecConfig(budget=4, topk=2, block_size=4)
     batch = engine.open_batch(spec, max_batch=4, max_len=128)
     batch.add(Request("running", [1, 2, 3], 8))
-    before = (batch.active, batch.cache.lengths.clone(), batch.bonus.clone())
+    before = (batch.active, batch.slots.cache.lengths.clone(), batch.slots.bonus.clone())
     good = Request("good", [4, 5, 6], 8)
     for bad, field in [
         (Request("bad", [1, VOCAB + 3], 8), "input_ids"),
@@ -302,7 +302,7 @@ def test_bad_request_in_add_many_changes_nothing(engine: Engine) -> None:
             batch.add_many([good, bad])
         assert err.value.field == field
         assert batch.active == before[0]
-        assert torch.equal(batch.cache.lengths, before[1]) and torch.equal(batch.bonus, before[2])
+        assert torch.equal(batch.slots.cache.lengths, before[1]) and torch.equal(batch.slots.bonus, before[2])
     with pytest.raises(RequestError, match="no free slot") as err:
         batch.add_many([Request(str(i), [1, 2], 4) for i in range(4)])
     assert err.value.status_code == 503 and batch.active == 1
@@ -353,8 +353,8 @@ def test_device_lengths_track_the_host_bookkeeping(engine: Engine) -> None:
     for _ in range(6):
         batch.step()
         rows = batch.rows
-        assert batch.cache.lengths[: len(rows)].tolist() == [r.committed for r in rows]
-        assert batch.ctx.total[: len(rows)].tolist() == [r.committed for r in rows]
+        assert batch.slots.cache.lengths[: len(rows)].tolist() == [r.committed for r in rows]
+        assert batch.slots.ctx.total[: len(rows)].tolist() == [r.committed for r in rows]
 
 
 # -- budget auto ------------------------------------------------------------------------------------
@@ -404,11 +404,11 @@ def test_cost_model_is_measured_once_per_engine() -> None:
     spec = SpecConfig(budget="auto", max_budget=8, topk=4, block_size=8)
     first = engine.open_batch(spec, max_batch=2, max_len=128)
     again = engine.open_batch(spec, max_batch=2, max_len=128)
-    assert first.cost_model is again.cost_model is not None
-    assert first.cost_model.nodes[-1] == 9 and first.cost_model.rows == (1, 2, 4, 8)
+    assert first.budget.cost_model is again.budget.cost_model is not None
+    assert first.budget.cost_model.nodes[-1] == 9 and first.budget.cost_model.rows == (1, 2, 4, 8)
     wider = engine.open_batch(spec, max_batch=16, max_len=128)  # more rows than measured: measure again
-    assert wider.cost_model is not first.cost_model and wider.cost_model.rows[-1] == 16
+    assert wider.budget.cost_model is not first.budget.cost_model and wider.budget.cost_model.rows[-1] == 16
     fixed = engine.open_batch(SpecConfig(budget=8), max_batch=2, max_len=128)
-    assert fixed.cost_model is None
+    assert fixed.budget.cost_model is None
     out = engine.generate(prompts(1, seed=2)[0], 12, spec=SpecConfig(budget=8))
     assert set(out.budgets) == {8}, "a fixed budget verifies its budget every round"

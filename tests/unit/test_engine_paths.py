@@ -168,12 +168,12 @@ def test_graphed_auto_times_every_captured_round() -> None:
     b.add_many([Request(str(i), p, 24) for i, p in enumerate(batch)])
     b.step()  # the first round decides with a second sync
     b.step()  # the first round ahead: captures and times
-    assert b._sizes_captured == {(rows, False) for rows in (1, 2, 4, 5)}
+    assert b.budget.sizes_captured == {(rows, False) for rows in (1, 2, 4, 5)}
     on_graph = set(tree_sizes(16))
     for rows in (1, 2, 4, 5):
-        seconds = b._round_tables[(rows, 16)]
+        seconds = b.budget.round_tables[(rows, 16)]
         assert all((0 < t < 0.5) if size in on_graph else t == float("inf") for size, t in enumerate(seconds, 1))
-        assert b._round_costs(rows, 16, graphed=True).cpu().tolist() == pytest.approx(seconds)
+        assert b.budget.round_costs(rows, 16, graphed=True).cpu().tolist() == pytest.approx(seconds)
     b.clear()
     assert [o.token_ids for o in engine.generate(batch, 24, spec=spec)] == [r.token_ids for r in ref]
 
@@ -237,8 +237,8 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
     lengths = [5, 31, 9, 40, 12]
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160)
-    b.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
-    b.calibrate_every = 8  # a rewrite within these few rounds
+    b.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.budget.calibrate_every = 8  # a rewrite within these few rounds
     assert _join_one_by_one(b, batch, lengths) == ref
     assert {k for k in graphs.keys if k[0] == "prefill"} == {("prefill", 64, False)}  # every prompt <= 64 tokens
     if spec.auto_budget:  # after the first round, each round's tree size was chosen by the round before
@@ -250,15 +250,16 @@ def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfi
         # (capturing them all up front), and put the batch back as it was: the tokens above are still AR's
         for m in {k[1] for k in rounds if k[0] == "round"}:
             assert {k[2] for k in rounds if k[0] == "round" and k[1] == m} == set(tree_sizes(12)), f"rows {m}"
-        assert b._sizes_captured == {(m, False) for m in (1, 2, 3)}  # max_batch 3: buckets 1, 2, 3
-        assert b._gains is not None and float(b._gains[0]) >= 0  # the choice's running mean of gains moved
+        assert b.budget.sizes_captured == {(m, False) for m in (1, 2, 3)}  # max_batch 3: buckets 1, 2, 3
+        assert b.budget.gains is not None and float(b.budget.gains[0]) >= 0  # the choice's running mean of gains moved
 
         # the rounds after the first were timed, and every `calibrate_every` of them rewrote the costs the
         # captured choice reads: measured sizes at their mean, off-graph sizes still +inf
-        assert b.calibration is not None and b._calibrated_rounds == b.budget_rounds - 1 >= b.calibrate_every
+        budget = b.budget
+        assert budget.calibration is not None and budget.calibrated_rounds == b.budget_rounds - 1 >= budget.calibrate_every
         rewritten = 0
-        for (m, cap), costs in b._auto_costs.items():
-            table = b.cost_model.round_costs(m, cap, "cpu")
+        for (m, cap), costs in b.budget.auto_costs.items():
+            table = b.budget.cost_model.round_costs(m, cap, "cpu")
             on_graph = [size - 1 for size in tree_sizes(cap)]
             off_graph = [i for i in range(cap) if i not in on_graph]
             assert torch.isinf(costs[off_graph]).all()
@@ -275,13 +276,13 @@ def test_graphed_auto_costs_are_the_timed_rounds_on_cpu(sdpa_engine: Engine) -> 
     batch, lengths = prompts(4, seed=21), [30, 12, 26, 35]
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160, profile=False)
-    b.graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = _EagerGraphs()  # type: ignore[assignment]
     assert _join_one_by_one(b, batch, lengths) == ref
     on_graph = set(tree_sizes(12))
-    assert sorted(b._round_tables) == [(1, 12), (2, 12), (3, 12)]
-    for (rows, cap), seconds in b._round_tables.items():
+    assert sorted(b.budget.round_tables) == [(1, 12), (2, 12), (3, 12)]
+    for (rows, cap), seconds in b.budget.round_tables.items():
         assert all((0 < t < 5) if size in on_graph else t == float("inf") for size, t in enumerate(seconds, 1))
-        shift = [c - t for c, t, size in zip(b._round_costs(rows, cap, True).tolist(), seconds, range(1, 13))
+        shift = [c - t for c, t, size in zip(b.budget.round_costs(rows, cap, True).tolist(), seconds, range(1, 13))
                  if size in on_graph]
         assert max(shift) - min(shift) == pytest.approx(0, abs=1e-5), f"rows {rows}: sizes moved apart"
 
@@ -294,15 +295,15 @@ def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monke
     batch = prompts(2, seed=5)
     ref = [sdpa_engine.generate(p, 60, spec=AR).token_ids for p in batch]
     b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
-    b.graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = _EagerGraphs()  # type: ignore[assignment]
     built: list[int] = []  # build_trees' size argument, call by call
     build_trees = tree_ops.build_trees
     monkeypatch.setattr(tree_ops, "build_trees", lambda logits, size, topk: built.append(size) or build_trees(logits, size, topk))
     rounds: list[tuple[tuple, list[int]]] = []  # (graph key, sizes built) of each round a step ran
-    capture_tree_sizes, run_stages = b._capture_tree_sizes, b._run_stages
+    capture_tree_sizes, run_stages = b.budget.capture_tree_sizes, b.runner.run
     capturing = False
 
-    def capture(*args):  # noqa: ANN002, ANN202 - wraps DecodeBatch._capture_tree_sizes
+    def capture(*args):  # noqa: ANN002, ANN202 - wraps AutoBudget.capture_tree_sizes
         nonlocal capturing
         capturing = True
         try:
@@ -310,15 +311,15 @@ def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monke
         finally:
             capturing = False
 
-    def run(key, make_stages, prev):  # noqa: ANN001, ANN202 - wraps DecodeBatch._run_stages
+    def run(key, make_stages, prev):  # noqa: ANN001, ANN202 - wraps StageRunner.run
         built.clear()
         s = run_stages(key, make_stages, prev)
         if not capturing:
             rounds.append((key, list(built)))
         return s
 
-    monkeypatch.setattr(b, "_capture_tree_sizes", capture)
-    monkeypatch.setattr(b, "_run_stages", run)
+    monkeypatch.setattr(b.budget, "capture_tree_sizes", capture)
+    monkeypatch.setattr(b.runner, "run", run)
     assert _join_one_by_one(b, batch, [60, 60]) == ref
     assert [k[0] for k, _ in rounds[:2]] == ["draft", "verify"]  # the first round reads b* back
     ahead = rounds[2:]
@@ -335,18 +336,18 @@ def test_graphed_auto_does_not_calibrate_unless_told(sdpa_engine: Engine, monkey
     costs stay the timed table (an eager batch calibrates every CALIBRATE_EVERY rounds)."""
     kernel = _with_attention(sdpa_engine, "reference")
     spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
-    assert kernel.open_batch(spec, max_batch=2, max_len=160).calibrate_every == CALIBRATE_EVERY > 0  # eager
+    assert kernel.open_batch(spec, max_batch=2, max_len=160).budget.calibrate_every == CALIBRATE_EVERY > 0  # eager
     monkeypatch.setattr(engine_module, "GraphCache", lambda device: _EagerGraphs())
     kernel.cuda_graphs = True
     b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
-    assert isinstance(b.graphs, _EagerGraphs) and b.calibrate_every == 0
+    assert isinstance(b.graphs, _EagerGraphs) and b.budget.calibrate_every == 0
     batch = prompts(2, seed=9)
     ref = [sdpa_engine.generate(p, 40, spec=AR).token_ids for p in batch]
     assert _join_one_by_one(b, batch, [40, 40]) == ref
-    assert b.budget_rounds > 2 and b._calibrated_rounds == 0
-    assert sorted(b._round_tables) == [(1, 12), (2, 12)]
-    for (rows, cap), seconds in b._round_tables.items():
-        assert b._round_costs(rows, cap, True).tolist() == pytest.approx(seconds), f"rows {rows}"
+    assert b.budget_rounds > 2 and b.budget.calibrated_rounds == 0
+    assert sorted(b.budget.round_tables) == [(1, 12), (2, 12)]
+    for (rows, cap), seconds in b.budget.round_tables.items():
+        assert b.budget.round_costs(rows, cap, True).tolist() == pytest.approx(seconds), f"rows {rows}"
 
 
 def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
@@ -355,13 +356,13 @@ def test_round_state_drops_what_the_round_used_up(sdpa_engine: Engine) -> None:
     b = sdpa_engine.open_batch(SpecConfig(budget=6, topk=3, block_size=6), max_batch=2, max_len=96)
     b.add_many([Request(str(i), p, 8) for i, p in enumerate(prompts(2, seed=3))])
     states = []
-    run_stages = b._run_stages
+    run_stages = b.runner.run
 
-    def keep(key, make_stages, prev):  # noqa: ANN001, ANN202 - _run_stages' signature
+    def keep(key, make_stages, prev):  # noqa: ANN001, ANN202 - StageRunner.run's signature
         states.append(run_stages(key, make_stages, prev))
         return states[-1]
 
-    b._run_stages = keep  # type: ignore[method-assign]
+    b.runner.run = keep  # type: ignore[method-assign]
     b.step()
     assert states and not hasattr(states[-1], "draft_logits") and not hasattr(states[-1], "taps")
     assert hasattr(states[-1], "host") and hasattr(states[-1], "trees")
@@ -371,21 +372,21 @@ def test_auto_budget_costs_follow_measured_rounds(sdpa_engine: Engine) -> None:
     """Every `calibrate_every` timed rounds the costs auto chooses with become the table shifted by the measured
     gap, in place: a captured choice reads the same tensor."""
     b = sdpa_engine.open_batch(SpecConfig(budget="auto", max_budget=8, topk=3, block_size=6), max_batch=2, max_len=64)
-    assert b.calibration is not None and b.cost_model is not None
-    costs = b._round_costs(2, 8, graphed=False)
-    table = b.cost_model.round_costs(2, 8, "cpu").tolist()
-    for i in range(b.calibrate_every - 1):
-        b._calibrate(2, 8, budget=4 if i % 2 else 6, seconds=0.5 if i % 2 else 0.9)
+    assert b.budget.calibration is not None and b.budget.cost_model is not None
+    costs = b.budget.round_costs(2, 8, graphed=False)
+    table = b.budget.cost_model.round_costs(2, 8, "cpu").tolist()
+    for i in range(b.budget.calibrate_every - 1):
+        b.budget.calibrate(2, 8, budget=4 if i % 2 else 6, seconds=0.5 if i % 2 else 0.9)
     assert costs.tolist() == pytest.approx(table), "rewritten before calibrate_every rounds"
-    b._calibrate(2, 8, budget=4, seconds=0.5)
-    assert b._round_costs(2, 8, graphed=False) is costs  # the same tensor, rewritten in place
+    b.budget.calibrate(2, 8, budget=4, seconds=0.5)
+    assert b.budget.round_costs(2, 8, graphed=False) is costs  # the same tensor, rewritten in place
     gap = ((0.5 - table[3]) + (0.9 - table[5])) / 2
     assert costs.tolist() == pytest.approx([t + gap for t in table])
 
 
 def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int, rounds: int = 3) -> list[int]:
     batch = engine.open_batch(spec, max_batch=rows, max_len=256)
-    batch.calibrate_every = 8
+    batch.budget.calibrate_every = 8
     batch.add_many([Request(str(i), p, 100) for i, p in enumerate(prompts(rows, seed=2))])
     return round_syncs(batch, rounds=rounds, warmup_rounds=3)  # the warm-up rounds capture every graph
 

@@ -109,7 +109,7 @@ def test_graphed_code_paths_carry_the_options_on_cpu(engine: Engine) -> None:
     batch = prompts(len(OPTIONS), seed=31)
     ref = run_batch(engine.open_batch(AR, max_batch=8, max_len=160), requests(batch))
     b = engine.open_batch(SPECS[2], max_batch=3, max_len=160)
-    b.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
     check_same(run_batch(b, requests(batch), one_by_one=True), ref, "graphed code")
     modes = {k[3] for k in graphs.keys if k[0] == "round"}
     assert Mode.SAMPLED | Mode.FILTERED | Mode.LOGPROBS in modes

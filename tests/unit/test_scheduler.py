@@ -41,7 +41,7 @@ class SplitBatch(EmulatedBatch):
         self.launched = True
         self.log.append(("launch", self.collected))
 
-    def collect(self) -> list[StepOutput]:
+    def collect(self, run_ahead: bool = False) -> list[StepOutput]:
         assert self.launched, "collect without a launch"
         self.launched = False
         k = self.collected
@@ -373,16 +373,16 @@ def test_decode_batch_round_that_raises_leaves_the_batch_usable(engine: Engine, 
     batch = engine.open_batch(spec, max_batch=2, max_len=128)
     batch.add_many([Request("a", prompts(1, seed=3)[0], 8), Request("b", prompts(1, seed=4)[0], 8)])
     if where == "launch":
-        batch._run_stages = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        batch.runner.run = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="device lost"):
             batch.launch()
-        del batch._run_stages
+        del batch.runner.run
     else:
         batch.launch()
-        batch._clear_padding = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+        batch.slots.clear_padding = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="device lost"):
             batch.collect()
-        del batch._clear_padding
+        del batch.slots.clear_padding
     # not wedged: what ran is cancelled (the scheduler aborts every running request), a new one runs
     assert batch.cancel("a") and batch.cancel("b") and batch.active == 0
     out = batch.add(Request("c", [5, 6, 7], 6))[0].new_token_ids
@@ -432,7 +432,7 @@ def test_served_rounds_run_ahead_equal_ar_at_t0(engine: Engine, config: str) -> 
 
 
 def test_a_batch_seen_through_step_alone_is_settled_before_rows_join(engine: Engine) -> None:
-    """A batch whose step() runs ahead, seen without launch/collect (ddtree.profiling.round_overhead's "no overlap"
+    """A batch whose step() runs ahead, seen with step() as its collect (ddtree.profiling.round_overhead's "no overlap"
     mode): a request that arrives while another runs joins after the round step() left in flight is settled;
     both get AR's tokens."""
     from ddtree.profiling.round_overhead import StepOnly
@@ -462,7 +462,7 @@ def test_round_overhead_bench_reads_the_same_tokens_back_through_the_relay() -> 
     from ddtree.profiling import round_overhead as ro
 
     batch = ro.ZeroBatch(3)
-    assert not hasattr(ro.StepOnly(batch), "launch") and ro.StepOnly(batch).active == 0
+    assert ro.StepOnly(batch).active == 0
     requests = [Request(f"r{i}", [1], 20 + i, ignore_eos=True) for i in range(3)]
     assert ro.served(batch, requests, on_gpu=False) == ro.in_process(batch, requests) == {
         f"r{i}": [t % 101 for t in range(1, 21 + i)] for i in range(3)}
@@ -480,7 +480,7 @@ def test_served_graphed_rounds_equal_ar_at_t0(engine: Engine, config: str) -> No
     texts = prompts(4, seed=41)
     ref = engine.generate(texts, 14, spec=AR)
     batch = _with_attention(engine, "reference").open_batch(spec, max_batch=3, max_len=200)
-    batch.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    batch.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
     reqs = [Request(str(i), p, 14) for i, p in enumerate(texts)]
     events = Events([r.request_id for r in reqs])
     run(Scheduler(batch, max_running=3, warm_token=5, switch_interval_s=None), events, reqs, timeout=300)
