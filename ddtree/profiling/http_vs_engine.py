@@ -12,9 +12,9 @@ ddtree.bench.loadgen). Each prints output tok/s, TTFT, TPOT and E2E (median and 
 process of the medians.
 
 Where the in-process side runs (`--in-process`): "same" (the default) in the server's own engine process, on
-the very batch it serves, each repeat when the bench asks for it, with the scheduler paused (ddtree.profiling.in_process
-says why: a round's time moves by up to ~8% between process starts); "separate" in a batch this process opens
-the way the server opens its own. Either way the modes' repeats take turns.
+the very batch it serves, each repeat when the bench asks for it, on the scheduler's thread while nothing is
+served (Scheduler.run_idle; ddtree.profiling.in_process says why: a round's time moves by up to ~8% between
+process starts); "separate" in a batch this process opens the way the server opens its own. Either way the modes' repeats take turns.
 
 Warm-up: the in-process batch first runs the cell once untimed (the engine at its best, as
 `ddtree.profiling.paired` measures it); the server gets what the sweep gives it (`--warmup` requests at the
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "median ratio over the runs (ddtree.profiling.fresh_runs)")
     p.add_argument("--in-process", choices=("same", "separate"), default="same",
                    help="where the in-process side runs: same: in the server's own engine process, on the batch it "
-                        "serves, each repeat between the HTTP ones with the scheduler paused; separate: an engine "
+                        "serves, each repeat between the HTTP ones, on the scheduler's thread while nothing is served; separate: an engine "
                         "loaded in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests sent to the server first (the sweep's)")
     add_max_new_tokens(p)

@@ -59,7 +59,7 @@ T = TypeVar("T")
 
 class Inbox(Protocol):
     """Where a scheduler's arrivals come from when its own thread waits for them (the engine process's request
-    pipe, engine_process.RequestPipe): an idle thread blocks in `wait`, which reads what arrives and queues it
+    pipe, engine_worker.RequestPipe): an idle thread blocks in `wait`, which reads what arrives and queues it
     (submit_many, cancel, shutdown) on this thread. A thread asleep on the Condition instead is woken by the
     one that queued it, after that one was woken by the pipe: two wake-ups and a GIL hand-over a request at
     concurrency 1 where this has one."""
@@ -126,7 +126,7 @@ class Scheduler:
         self.rounds = 0
         self.warm_seconds: float | None = None  # how long the warm-up took (None: none ran)
         # called on the thread once the warm-up is done, before anything is admitted: the engine process
-        # freezes its heap again there, the graphs' Python objects with it (engine_process.freeze_heap)
+        # freezes its heap again there, the graphs' Python objects with it (engine_worker.freeze_heap)
         self.after_warm_up: Callable[[], None] | None = None
         self.inbox: Inbox | None = None  # set before start(): the idle thread waits on it, not on the Condition
         # run_idle's calls, each with the future its caller waits on (guarded by _cond)

@@ -139,8 +139,8 @@ def stamped_deliver(deliver: Any) -> Any:
 
 class StampedBatch:
     """A DecodeBatch that stamps, per request, its prefill's start and end (`e_admit`, `e_prefilled`) and the
-    round that finished it (`e_last`); everything else is the batch's own (the scheduler's getattr looks
-    through to it, and finds add_many/collect only where the batch has them)."""
+    round that finished it (`e_last`); everything else is the batch's own: attribute reads look through to it, so it
+    offers every member of the scheduler's batch protocol (ddtree.serving.admission.DecodeBatchLike)."""
 
     def __init__(self, batch: Any) -> None:
         self._batch = batch

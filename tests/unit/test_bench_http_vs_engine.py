@@ -265,8 +265,8 @@ def test_emulated_run_through_the_server(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_the_engine_process_measures_between_served_requests_and_keeps_serving(tmp_path: Path) -> None:
-    """measuring(): cells measured on request, each on the served batch with the scheduler paused; a bad request
-    is the bench's error, and the scheduler still serves after it."""
+    """measuring(): cells measured on request, each on the served batch on the scheduler's thread while
+    nothing is served; a bad request is the bench's error, and the scheduler still serves after it."""
     batch = EmulatedBatch(AR, 4, 512, round_s=0.0005, prefill_s=0.0, tokens_per_round=1)
     sched = Scheduler(batch, max_running=4, switch_interval_s=None)
     prompts = [[5, 6, 7], [8, 9, 10]]
