@@ -18,12 +18,12 @@ import pytest
 from ddtree.errors import ConfigError, ModelLoadError
 from ddtree.grid import Grid, load_grid, with_repeats
 from ddtree.service.dialects import Dialect, default_dialect, load_dialect
+from ddtree.service.factory import BACKENDS
 from ddtree.suite.floors import Floors, check_tolerance, load_floors
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
 FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
-BACKENDS = ("local", "sglang", "systemd", "url", "fake")
 DEFAULT_GRID = "smoke"
 DEFAULT_FLOORS = "cpu-fixture"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
