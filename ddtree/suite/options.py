@@ -7,6 +7,7 @@ anything is collected or started.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.errors import ConfigError
 from ddtree.grid import Grid, load_grid, with_repeats
 from ddtree.service.dialects import Dialect, default_dialect, load_dialect
 from ddtree.service.factory import BACKENDS
@@ -199,14 +200,16 @@ def default_device() -> str:
 
 
 def model_max_context(model_path: Path) -> int | None:
-    """The target's max_position_embeddings, or None when the folder is not there (yet)."""
-    from ddtree.models.configs import read_config_json
+    """The target's max_position_embeddings, or None when the folder or its config.json is not there (yet).
 
+    Read here with json: ddtree.models would load torch and the Triton kernels into the pytest process.
+    """
     try:
-        value = read_config_json(model_path).get("max_position_embeddings")
-    except ModelLoadError:
+        data = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, unreadable or not JSON: as if unknown
         return None
-    return value if isinstance(value, int) and value > 0 else None
+    value = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def parse_options(config: pytest.Config, results_dir: Path | None = None) -> SuiteOptions:
