@@ -295,7 +295,7 @@ def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
     target = load_target(target_dir)
@@ -327,7 +327,7 @@ def test_a_drafter_given_more_taps_starts_out_computing_what_it_did(data_dir: Pa
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     target = load_target(target_dir)
     layers = target.config.num_hidden_layers
@@ -357,7 +357,7 @@ def test_a_drafter_with_wider_mlps_starts_out_computing_what_the_narrower_one_do
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
     target = load_target(target_dir)
