@@ -32,7 +32,7 @@ from ddtree.bench.baseline import (
     write_baseline_record,
 )
 from ddtree.bench.results import CELLS_DIR, CellResult, read_cells
-from ddtree.suite.options import SuiteOptions
+from ddtree.suite.options import SuiteOptions, raw_option
 from ddtree.suite.state import SuiteState
 
 HELP = {
@@ -62,19 +62,12 @@ def add_options(parser: pytest.Parser) -> None:
         parser.addini(f"ddtree_{dest}", HELP[dest], default=None)
 
 
-def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
-    value = config.getoption(f"ddtree_{dest}")
-    if value is not None:
-        return value, "--" + dest.replace("_", "-")
-    return config.getini(f"ddtree_{dest}") or None, f"ini key ddtree_{dest}"
-
-
 def load_baseline(config: pytest.Config, options: SuiteOptions) -> Baseline | None:
     """The baseline the options name, read once per process at configure; None without --baseline."""
-    arg, where = _raw(config, "baseline")
+    arg, where = raw_option(config, "baseline")
     if not arg:
         return None
-    tol_value, tol_where = _raw(config, "baseline_tolerance")
+    tol_value, tol_where = raw_option(config, "baseline_tolerance")
     try:
         tolerance = check_tolerance(float(tol_value), tol_where) if tol_value is not None else DEFAULT_TOLERANCE
     except ValueError as err:

@@ -18,7 +18,7 @@ import pytest
 
 from ddtree.bench.baseline import is_results_dir, resolve_baseline
 from ddtree.bench.plan import Plan, deploy_steps, estimate, render_plan
-from ddtree.suite.options import SuiteOptions
+from ddtree.suite.options import SuiteOptions, raw_option
 from ddtree.suite.state import SuiteState
 
 HELP = ("print the deploy order, the number of deploys and cells and an estimate of the wall time (from --baseline "
@@ -33,7 +33,7 @@ def add_options(parser: pytest.Parser) -> None:
 def previous_run(config: pytest.Config, options: SuiteOptions) -> Path | None:
     """The run the estimate reads: --baseline's, else --results-dir when it holds one; None otherwise."""
     results = options.results_dir
-    arg = config.getoption("ddtree_baseline", None) or config.getini("ddtree_baseline") or None
+    arg, _ = raw_option(config, "baseline")
     if arg:
         try:
             return resolve_baseline(str(arg), results)

@@ -16,7 +16,7 @@ import pytest
 
 from ddtree.bench.slo import SLO_KEYS, parse_slo_flag
 from ddtree.errors import ConfigError
-from ddtree.suite.options import SuiteOptions
+from ddtree.suite.options import SuiteOptions, raw_option
 
 HELP = ("SLOs for the sweep's answer, KEY=VALUE,... over the grid's slo block; keys: "
         f"{', '.join(SLO_KEYS)} (thresholds in ms > 0; attainment_target in (0, 1], default 0.99)")
@@ -29,9 +29,7 @@ def add_options(parser: pytest.Parser) -> None:
 
 def apply_slo(config: pytest.Config, options: SuiteOptions) -> None:
     """Lay --slo (or the ini key ddtree_slo) over the grid's slo block, in options.grid."""
-    value, where = config.getoption("ddtree_slo"), "--slo"
-    if value is None:
-        value, where = config.getini("ddtree_slo") or None, "ini key ddtree_slo"
+    value, where = raw_option(config, "slo")
     if value is None:
         return
     try:
