@@ -102,14 +102,14 @@ def pytest_configure(config: pytest.Config) -> None:
     options = parse_options(config, results_dir)
     state = SuiteState(Expansion.of(options.grid, options.max_context))
     slo.apply_slo(config, options)
-    the_baseline = baseline.load_baseline(config, options)
+    earlier_run = baseline.load_baseline(config, options)
     config.stash[OPTIONS_KEY] = options
     config.stash[STATE_KEY] = state
     stop_on_sigterm()
     manager = config.pluginmanager
     manager.register(SuiteSession(config, options, state), SESSION_PLUGIN)
-    if the_baseline is not None:
-        manager.register(baseline.BaselineCheck(the_baseline, options, state), BASELINE_PLUGIN)
+    if earlier_run is not None:
+        manager.register(baseline.BaselineCheck(earlier_run, options, state), BASELINE_PLUGIN)
     if config.getoption("ddtree_plan") and workerinput is None:
         manager.register(plan.PlanPrinter(options, state), PLAN_PLUGIN)
     if not manager.has_plugin(FIXTURES_MODULE):
