@@ -24,8 +24,6 @@ from typing import Any
 from ddtree.config import DEFAULT_SPEC, Algorithm, SpecConfig, parse_window
 from ddtree.errors import ConfigError, ServiceError
 
-BACKENDS = ("local", "sglang", "systemd", "url", "fake")  # fake: the model-free stand-in server
-
 
 def _lazy_main(module: str, what: str, argv: list[str]) -> int:
     """Call module.main(argv), or say clearly why it cannot be imported."""
@@ -54,6 +52,8 @@ def _add_spec_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend_options(p: argparse.ArgumentParser) -> None:
+    from ddtree.service.factory import BACKENDS  # the service package loads for service actions only
+
     g = p.add_argument_group("backend")
     g.add_argument("--backend", choices=BACKENDS, default="local")
     g.add_argument("--server-dialect", metavar="NAME|PATH",
@@ -118,40 +118,27 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(**(DEFAULT_SPEC.to_dict() | given))
 
 
+FLAGS = {"url": "--url", "unit": "--unit", "model_path": "--model-path"}  # factory argument -> its flag here
+
+
 def backend_from_args(args: argparse.Namespace, log: Callable[[str], None]) -> Any:
-    """The backend the flags describe; ConfigError naming the missing option."""
+    """The backend the flags describe (ddtree.service.factory); ConfigError naming the missing flag."""
     from ddtree.service.dialects import load_dialect
+    from ddtree.service.factory import MissingBackendArgument, build_backend
 
     dialect = load_dialect(args.server_dialect) if args.server_dialect else None
-    if args.backend == "url":
-        if not args.url:
-            raise ConfigError("--url is required with --backend url")
-        from ddtree.service.url import UrlBackend
-
-        return UrlBackend(args.url, dialect=dialect)
-    if args.backend == "systemd":
-        if not args.unit:
-            raise ConfigError("--unit is required with --backend systemd")
-        from ddtree.service.systemd import SystemdBackend
-
-        return SystemdBackend(args.ssh_host, args.unit, base_url=args.url, log=log, dialect=dialect)
-    if args.backend == "fake":
-        from ddtree.service.fake import FakeBackend
-
-        return FakeBackend(host=args.host, port=args.port, log_dir=args.log_dir, log=log, dialect=dialect)
-    if not args.model_path:
-        raise ConfigError(f"--model-path is required with --backend {args.backend}")
-    from ddtree.service.local import LocalBackend
-    from ddtree.service.sglang import SGLangBackend
-
-    cls = SGLangBackend if args.backend == "sglang" else LocalBackend
-    return cls(args.model_path, args.draft_model_path, host=args.host, port=args.port,
-               device=args.device, max_running_requests=args.max_running_requests,
-               extra_args=args.extra_arg, log_dir=args.log_dir, log=log, dialect=dialect)
+    try:
+        return build_backend(args.backend, model_path=args.model_path, draft_model_path=args.draft_model_path,
+                             url=args.url, ssh_host=args.ssh_host, unit=args.unit, host=args.host, port=args.port,
+                             device=args.device, max_running_requests=args.max_running_requests,
+                             extra_args=args.extra_arg, log_dir=args.log_dir, log=log, dialect=dialect)
+    except MissingBackendArgument as err:
+        raise ConfigError(f"{FLAGS[err.argument]} is required with --backend {err.kind}") from err
 
 
 # -- service actions -------------------------------------------------------------------------------
 def _service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ddtree.service.factory import LAUNCHED
     from ddtree.service.manager import ServiceManager
     from ddtree.service.verify import verify
 
@@ -165,7 +152,7 @@ def _service(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                  verify_generation=not args.no_generate)
     except ConfigError as err:
         parser.error(str(err))  # exits 2 with the usage line
-    if args.action in ("verify", "restore-default") and backend.name in ("local", "sglang", "fake"):
+    if args.action in ("verify", "restore-default") and backend.name in LAUNCHED:
         # A service started by an earlier command is not our child; observe it over HTTP.
         from ddtree.service.url import UrlBackend
 

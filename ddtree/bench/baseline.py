@@ -46,6 +46,7 @@ from typing import Any
 
 from ddtree.bench.normalise import comparable, normalised
 from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
+from ddtree.errors import ConfigError
 
 BASELINE_JSON = "baseline.json"
 COMPARE_MD = "vs_baseline.md"
@@ -73,10 +74,11 @@ def key_text(key: Key) -> str:
     return f"{key[0]} @ ctx{key[1]} c{key[2]}"
 
 
-def check_tolerance(value: float, where: str) -> float:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{where}: tolerance {value!r} is not in [0, 1) (a fraction, e.g. 0.1)")
-    return value
+def check_tolerance(value: Any, where: str) -> float:
+    """A tolerance as a float: a number in [0, 1); ConfigError naming `where` (the flag, key or file) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{where}: {value!r} is not a fraction in [0, 1)")
+    return float(value)
 
 
 # -- finding the baseline -----------------------------------------------------------------------

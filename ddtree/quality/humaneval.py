@@ -108,10 +108,16 @@ def _read_problems(path: Path) -> dict[str, Problem]:
 
 
 def gate_problem_ids(path: Path | None = None) -> list[str]:
-    """Task ids from the gate file: one per line, `#` comments and blank lines ignored."""
+    """Task ids from the gate file: one per line, `#` comments and blank lines ignored.
+
+    A missing file is a ConfigError naming it: the gate and the fixture's training corpus (which
+    repeats exactly these problems) must agree, so no other ids are guessed.
+    """
     path = GATE_FILE if path is None else Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"gate problems: {path} not found (it lives in the repository's fixtures/prompts/)")
+        raise ConfigError(f"gate problems: {path} not found; it lists the coding gate's HumanEval task ids, one per "
+                          f"line (this repository's is fixtures/prompts/gate_problems.txt): restore it, or name a file "
+                          f"that exists")
     ids: list[str] = []
     for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = raw.split("#", 1)[0].strip()

@@ -1,1 +1,1 @@
-"""The pytest suite machinery: options, cells, ordering, the service fixture, floors (see plugin.py)."""
+"""The pytest suite machinery: the plugin and its session, options, cells, the service fixtures, the cell runner, floors (see plugin.py)."""

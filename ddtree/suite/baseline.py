@@ -3,8 +3,8 @@
     pytest -m perf --config-grid smoke --baseline latest       # latest: the newest other run beside --results-dir
     pytest -m perf --config-grid full --baseline results/night-41 --baseline-tolerance 0.05
 
-A plugin of its own (loaded by ddtree.suite.plugin): its options join the "ddtree" group. The
-baseline is resolved once per process at configure (a missing or empty one is a usage error). At
+Its options join the "ddtree" group. The baseline is resolved once per process at configure (a
+missing or empty one is a usage error), and only then are BaselineCheck's hooks registered. At
 the end of the run (the controller, under xdist) every cell is compared with the baseline's
 (ddtree.bench.baseline: per-cell verdicts, shifts over all cells and per config, coding gates).
 The verdicts wait for the whole run because the noise between two runs is read from the scatter of
@@ -32,7 +32,8 @@ from ddtree.bench.baseline import (
     write_baseline_record,
 )
 from ddtree.bench.results import CELLS_DIR, CellResult, read_cells
-from ddtree.suite.state import suite_active, suite_options, suite_state
+from ddtree.suite.options import SuiteOptions, raw_option
+from ddtree.suite.state import SuiteState
 
 HELP = {
     "baseline": "compare every cell with an earlier results directory: DIR, or `latest` (the newest other "
@@ -53,16 +54,7 @@ class Baseline:
     gate_threshold: float | None
 
 
-BASELINE_KEY = pytest.StashKey[Baseline | None]()
-COMPARISON_KEY = pytest.StashKey[Comparison]()
-
-
-def _baseline(config: pytest.Config) -> Baseline | None:
-    """This run's baseline; None without --baseline and in runs that are not the suite's."""
-    return config.stash.get(BASELINE_KEY, None)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
+def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddtree")
     for name, metavar in (("baseline", "DIR|latest"), ("baseline-tolerance", "FRACTION")):
         dest = name.replace("-", "_")
@@ -70,25 +62,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini(f"ddtree_{dest}", HELP[dest], default=None)
 
 
-def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
-    value = config.getoption(f"ddtree_{dest}")
-    if value is not None:
-        return value, "--" + dest.replace("_", "-")
-    return config.getini(f"ddtree_{dest}") or None, f"ini key ddtree_{dest}"
-
-
-def load_baseline(config: pytest.Config) -> Baseline | None:
-    """The baseline the options name, read once; None without --baseline."""
-    arg, where = _raw(config, "baseline")
+def load_baseline(config: pytest.Config, options: SuiteOptions) -> Baseline | None:
+    """The baseline the options name, read once per process at configure; None without --baseline."""
+    arg, where = raw_option(config, "baseline")
     if not arg:
         return None
-    tol_value, tol_where = _raw(config, "baseline_tolerance")
+    tol_value, tol_where = raw_option(config, "baseline_tolerance")
     try:
         tolerance = check_tolerance(float(tol_value), tol_where) if tol_value is not None else DEFAULT_TOLERANCE
     except ValueError as err:
         raise pytest.UsageError(f"{tol_where}: {tol_value!r} is not valid; expected a fraction in [0, 1), "
                                 f"e.g. 0.1 ({err})") from err
-    options = suite_options(config)
     try:
         path = resolve_baseline(str(arg), options.results_dir)
     except ValueError as err:
@@ -98,56 +82,50 @@ def load_baseline(config: pytest.Config) -> Baseline | None:
     return Baseline(path, str(arg), tolerance, read_cells(path), options.grid.quality.threshold)
 
 
-@pytest.hookimpl(trylast=True)  # after ddtree.suite.plugin has parsed the suite's options
-def pytest_configure(config: pytest.Config) -> None:
-    if suite_active(config):  # inert in runs that are not the suite's: every other hook sees no baseline
-        config.stash[BASELINE_KEY] = load_baseline(config)
+class BaselineCheck:
+    """The hooks of a run with a baseline (registered by ddtree.suite.plugin only then): the header line,
+    the judgement at the end of the run and its terminal section."""
 
+    def __init__(self, baseline: Baseline, options: SuiteOptions, state: SuiteState) -> None:
+        self.baseline = baseline
+        self.options = options
+        self.state = state
+        self.comparison: Comparison | None = None
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    b = _baseline(config)
-    if b is None:
-        return []
-    record = baseline_record(b.path, b.requested, b.tolerance)
-    return [f"ddtree baseline: {b.path} ({b.requested}): {len(b.cells)} cells, commit {record['commit']}, "
-            f"GPU {record['gpu']}; tolerance {b.tolerance:g}"]
+    def pytest_report_header(self) -> list[str]:
+        b = self.baseline
+        record = baseline_record(b.path, b.requested, b.tolerance)
+        return [f"ddtree baseline: {b.path} ({b.requested}): {len(b.cells)} cells, commit {record['commit']}, "
+                f"GPU {record['gpu']}; tolerance {b.tolerance:g}"]
 
+    @pytest.hookimpl(tryfirst=True)  # before the suite's session writes the summary, which reads baseline.json
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Record the baseline, judge the run against it, and fail the run when something regressed."""
+        b = self.baseline
+        if hasattr(session.config, "workerinput") or not self.state.service_used:
+            return
+        results = self.options.results_dir
+        if not (results / CELLS_DIR).is_dir():
+            return
+        record = baseline_record(b.path, b.requested, b.tolerance)
+        write_baseline_record(results, {**record, "gate_threshold": b.gate_threshold})
+        self.comparison = compare_runs(results, b.path, b.tolerance, b.gate_threshold)
+        if not self.comparison.ok and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # what pytest returns after sessionfinish
 
-def _comparison(config: pytest.Config) -> Comparison | None:
-    return config.stash.get(COMPARISON_KEY, None)
-
-
-@pytest.hookimpl(tryfirst=True)  # before ddtree.suite.plugin writes the summary, which reads baseline.json
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Record the baseline, judge the run against it, and fail the run when something regressed."""
-    config = session.config
-    b = _baseline(config)
-    if b is None or hasattr(config, "workerinput") or not suite_state(config).service_used:
-        return
-    results = suite_options(config).results_dir
-    if not (results / CELLS_DIR).is_dir():
-        return
-    record = baseline_record(b.path, b.requested, b.tolerance)
-    write_baseline_record(results, {**record, "gate_threshold": b.gate_threshold})
-    comparison = compare_runs(results, b.path, b.tolerance, b.gate_threshold)
-    config.stash[COMPARISON_KEY] = comparison
-    if not comparison.ok and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # what pytest returns after sessionfinish
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    comparison = _comparison(config)
-    if comparison is None:
-        return
-    tr = terminalreporter
-    tr.section(SECTION, red=not comparison.ok)
-    tr.write_line(f"baseline: {comparison.baseline_path} (commit {comparison.baseline['commit']}, "
-                  f"GPU {comparison.baseline['gpu']}); tolerance {comparison.tolerance:g}")
-    for note in comparison.differences():
-        tr.write_line(f"note: {note}")
-    moved = comparison.moved()
-    for line in moved or ["nothing moved beyond tolerance and noise"]:
-        tr.write_line(line, red=line.startswith("REGRESSED"), green=line.startswith("improved"))
-    verdict = "no regression" if comparison.ok else "REGRESSION: the run fails"
-    tr.write_line(f"verdict: {verdict} ({len(comparison.cells)} cells compared, pair noise sigma "
-                  f"{comparison.noise:.1%})", red=not comparison.ok)
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        comparison = self.comparison
+        if comparison is None:
+            return
+        tr = terminalreporter
+        tr.section(SECTION, red=not comparison.ok)
+        tr.write_line(f"baseline: {comparison.baseline_path} (commit {comparison.baseline['commit']}, "
+                      f"GPU {comparison.baseline['gpu']}); tolerance {comparison.tolerance:g}")
+        for note in comparison.differences():
+            tr.write_line(f"note: {note}")
+        moved = comparison.moved()
+        for line in moved or ["nothing moved beyond tolerance and noise"]:
+            tr.write_line(line, red=line.startswith("REGRESSED"), green=line.startswith("improved"))
+        verdict = "no regression" if comparison.ok else "REGRESSION: the run fails"
+        tr.write_line(f"verdict: {verdict} ({len(comparison.cells)} cells compared, pair noise sigma "
+                      f"{comparison.noise:.1%})", red=not comparison.ok)

@@ -1,7 +1,7 @@
 """The suite's fixtures: the session `service`, the per-cell `deployed`, prompts and floors.
 
-`service` builds the backend named by --service, wraps it in a ServiceManager and yields it.
-Its teardown always restores the grid's default and verifies it (settings and the init line of
+`service` builds the backend named by --service (through ddtree.service.factory), wraps it in a
+ServiceManager and yields it. Its teardown always restores the grid's default and verifies it (settings and the init line of
 the new start), also after failed cells, a crashed service or Ctrl-C: pytest tears session
 fixtures down in pytest_sessionfinish, which runs on KeyboardInterrupt too. The outcome goes
 into the run state, from which the plugin writes the sweep summary.
@@ -22,6 +22,8 @@ from ddtree.bench.answer import answer_progress
 from ddtree.bench.results import PACE_DIR
 from ddtree.config import SpecConfig
 from ddtree.grid import Cell
+from ddtree.service.base import ServiceBackend
+from ddtree.service.factory import build_backend
 from ddtree.service.manager import ServiceManager, SweepAborted
 from ddtree.suite.cells import CELL_ARG, item_spec
 from ddtree.suite.options import SuiteOptions, worker_index
@@ -60,40 +62,22 @@ def require_models(options: SuiteOptions) -> None:
                         pytrace=False)
 
 
-def build_backend(options: SuiteOptions, log: Callable[[str], None]) -> Any:
-    """The backend named by --service, per xdist worker: own port, own GPU, own host."""
+def suite_backend(options: SuiteOptions) -> ServiceBackend:
+    """The backend named by --service (ddtree.service.factory), per xdist worker: own port, own GPU, own host."""
     index = worker_index()
     host = options.service_hosts[index % len(options.service_hosts)] if options.service_hosts else None
-    log_dir = options.results_dir / "service-logs"
     env: dict[str, str] = {}
     if os.environ.get("PYTEST_XDIST_WORKER") and _gpu_visible() and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(index)
-    common: dict[str, Any] = {"host": host or "127.0.0.1", "log_dir": log_dir, "env": env, "dialect": options.dialect}
-    if options.service == "fake":
-        from ddtree.service.fake import FakeBackend
-
-        return FakeBackend(device=options.device, **common)
-    if options.service == "url":
-        from ddtree.service.url import UrlBackend
-
-        url = options.service_url or ""
-        if host:
-            url = host if host.startswith("http") else f"http://{host}:{url.rsplit(':', 1)[-1].strip('/')}"
-        return UrlBackend(url, dialect=options.dialect)
-    if options.service == "systemd":
-        from ddtree.service.systemd import SystemdBackend
-
-        # base_url None: the backend derives it from the unit's --host/--port and the ssh host
-        return SystemdBackend(host or options.ssh_host, options.systemd_unit, base_url=options.service_url,
-                              ssh_config=options.ssh_config, dialect=options.dialect)
-    require_models(options)
-    if options.service == "sglang":
-        from ddtree.service.sglang import SGLangBackend
-
-        return SGLangBackend(options.model_path, options.draft_model_path, device=options.device, **common)
-    from ddtree.service.local import LocalBackend
-
-    return LocalBackend(options.model_path, options.draft_model_path, device=options.device, **common)
+    url = options.service_url
+    if options.service == "url" and host:
+        url = host if host.startswith("http") else f"http://{host}:{(url or '').rsplit(':', 1)[-1].strip('/')}"
+    if options.service in ("local", "sglang"):
+        require_models(options)
+    return build_backend(options.service, model_path=options.model_path, draft_model_path=options.draft_model_path,
+                         url=url, ssh_host=host or options.ssh_host, unit=options.systemd_unit,
+                         ssh_config=options.ssh_config, host=host or "127.0.0.1", device=options.device,
+                         log_dir=options.results_dir / "service-logs", env=env, dialect=options.dialect)
 
 
 def cell_progress(config: pytest.Config, cell: Cell, metrics: dict[str, Any], pace: float | None = None) -> None:
@@ -131,7 +115,7 @@ def service(request: pytest.FixtureRequest) -> Iterator[ServiceManager]:
     config = request.config
     options, state = suite_options(config), suite_state(config)
     log = _log_to_terminal(config)
-    backend = build_backend(options, log)
+    backend = suite_backend(options)
     state.service_used = True
     manager = ServiceManager(backend, options.grid.default, startup_timeout_s=options.startup_timeout_s, log=log,
                              start_retries=options.start_retries)

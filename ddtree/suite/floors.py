@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from ddtree.bench.baseline import check_tolerance
 from ddtree.errors import ConfigError
 
 FLOORS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "floors"
@@ -116,12 +117,6 @@ def load_floors(path_or_profile: str | Path) -> Floors:
     return Floors(path=path, tolerance=float(tolerance), table=table, header=header,
                   accept_tolerance=accept_tolerance, speedup_tolerance=speedup_tolerance,
                   config_tolerance=config_tolerance, probe=probe, recorded=recorded)
-
-
-def check_tolerance(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{where}: {value!r} is not a fraction in [0, 1)")
-    return float(value)
 
 
 def merge(table: Table, updates: Table) -> Table:

@@ -7,6 +7,7 @@ anything is collected or started.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -15,15 +16,16 @@ from typing import Any
 
 import pytest
 
-from ddtree.errors import ConfigError, ModelLoadError
+from ddtree.bench.baseline import check_tolerance
+from ddtree.errors import ConfigError
 from ddtree.grid import Grid, load_grid, with_repeats
 from ddtree.service.dialects import Dialect, default_dialect, load_dialect
-from ddtree.suite.floors import Floors, check_tolerance, load_floors
+from ddtree.service.factory import BACKENDS
+from ddtree.suite.floors import Floors, load_floors
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
 FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
-BACKENDS = ("local", "sglang", "systemd", "url", "fake")
 DEFAULT_GRID = "smoke"
 DEFAULT_FLOORS = "cpu-fixture"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -158,7 +160,7 @@ class SuiteOptions:
     require_floors: bool = False
 
 
-def _raw(config: pytest.Config, dest: str) -> tuple[Any, str]:
+def raw_option(config: pytest.Config, dest: str) -> tuple[Any, str]:
     """(value, where it came from) for option `dest`: the flag first, then the ini key."""
     value = config.getoption(f"ddtree_{dest}")
     if value is not None:
@@ -176,7 +178,7 @@ def _usage(where: str, value: Any, accepted: str, err: Exception | None = None) 
 
 
 def _positive_number(config: pytest.Config, dest: str, default: float, integer: bool) -> float:
-    value, where = _raw(config, dest)
+    value, where = raw_option(config, dest)
     if value is None:
         return default
     kind = "an integer >= 1" if integer else "a number of seconds > 0"
@@ -199,19 +201,21 @@ def default_device() -> str:
 
 
 def model_max_context(model_path: Path) -> int | None:
-    """The target's max_position_embeddings, or None when the folder is not there (yet)."""
-    from ddtree.models.configs import read_config_json
+    """The target's max_position_embeddings, or None when the folder or its config.json is not there (yet).
 
+    Read here with json: ddtree.models would load torch and the Triton kernels into the pytest process.
+    """
     try:
-        value = read_config_json(model_path).get("max_position_embeddings")
-    except ModelLoadError:
+        data = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, unreadable or not JSON: as if unknown
         return None
-    return value if isinstance(value, int) and value > 0 else None
+    value = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def parse_options(config: pytest.Config, results_dir: Path | None = None) -> SuiteOptions:
     """Read and validate every option; `results_dir` overrides (xdist workers get the controller's)."""
-    grid_arg, grid_where = _raw(config, "config_grid")
+    grid_arg, grid_where = raw_option(config, "config_grid")
     try:
         grid = load_grid(grid_arg or DEFAULT_GRID)
     except ConfigError as err:
@@ -219,64 +223,64 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
     repeats = _positive_number(config, "repeats", grid.repeats, integer=True)
     grid = with_repeats(grid, int(repeats))
 
-    service, where = _raw(config, "service")
+    service, where = raw_option(config, "service")
     service = (service or "local").lower()
     if service not in BACKENDS:
         raise _usage(where, service, f"one of {', '.join(BACKENDS)}")
-    service_url, where = _raw(config, "service_url")
+    service_url, where = raw_option(config, "service_url")
     if service == "url" and not service_url:
         raise pytest.UsageError("--service url needs --service-url http://HOST:PORT")
     if service_url and not str(service_url).startswith(("http://", "https://")):
         raise _usage(where, service_url, "an http:// or https:// URL")
     dialect = _dialect(config, service, grid)
-    tokenize, where = _raw(config, "tokenize")
+    tokenize, where = raw_option(config, "tokenize")
     tokenize = str(tokenize or "auto").lower()
     if tokenize not in TOKENIZE_MODES:
         raise _usage(where, tokenize, f"one of {', '.join(TOKENIZE_MODES)}")
-    retries, where = _raw(config, "start_retries")
+    retries, where = raw_option(config, "start_retries")
     if retries is not None and str(retries) not in ("0", "1"):
         raise _usage(where, retries, "0 or 1 (extra start attempts per config)")
-    ssh_config, where = _raw(config, "ssh_config")
+    ssh_config, where = raw_option(config, "ssh_config")
     if ssh_config and not Path(ssh_config).expanduser().is_file():
         raise _usage(where, ssh_config, "an existing ssh config file")
-    ssh_host, _ = _raw(config, "ssh_host")
-    systemd_unit, _ = _raw(config, "systemd_unit")
+    ssh_host, _ = raw_option(config, "ssh_host")
+    systemd_unit, _ = raw_option(config, "systemd_unit")
     if service == "systemd" and not (ssh_host and systemd_unit):
         raise pytest.UsageError("--service systemd needs --ssh-host HOST and --systemd-unit UNIT")
 
-    device, where = _raw(config, "device")
+    device, where = raw_option(config, "device")
     device = device or default_device()
     if device != "cpu" and not str(device).startswith("cuda"):
         raise _usage(where, device, "cpu, cuda or cuda:N")
 
-    floors_arg, where = _raw(config, "floors")
+    floors_arg, where = raw_option(config, "floors")
     try:
         floors = load_floors(floors_arg or DEFAULT_FLOORS)
     except ConfigError as err:
         raise pytest.UsageError(f"{where}: {err}") from err
-    tol_value, where = _raw(config, "floor_tolerance")
+    tol_value, where = raw_option(config, "floor_tolerance")
     tolerance = floors.tolerance  # the file's, which defaults to DEFAULT_TOLERANCE
     if tol_value is not None:
         try:
             tolerance = check_tolerance(float(tol_value), where)
-        except (ValueError, ConfigError) as err:
+        except ValueError as err:  # float() or check_tolerance's ConfigError
             raise _usage(where, tol_value, "a fraction in [0, 1), e.g. 0.15") from err
 
     if results_dir is None:
-        raw_dir, _ = _raw(config, "results_dir")
+        raw_dir, _ = raw_option(config, "results_dir")
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         results_dir = Path(raw_dir) if raw_dir else config.rootpath / "results" / stamp
         if not results_dir.is_absolute():
             results_dir = config.rootpath / results_dir
 
-    model_raw, _ = _raw(config, "model_path")
-    draft_raw, _ = _raw(config, "draft_model_path")
+    model_raw, _ = raw_option(config, "model_path")
+    draft_raw, _ = raw_option(config, "draft_model_path")
     model_path = Path(model_raw) if model_raw else FIXTURE_TARGET
-    hosts_raw, where = _raw(config, "service_hosts")
+    hosts_raw, where = raw_option(config, "service_hosts")
     hosts = [h.strip() for h in str(hosts_raw or "").split(",") if h.strip()]
     if hosts_raw and not hosts:
         raise _usage(where, hosts_raw, "a comma-separated list of hosts, e.g. gpu1,gpu2")
-    max_context_flag, _ = _raw(config, "max_context")
+    max_context_flag, _ = raw_option(config, "max_context")
     max_context = (
         int(_positive_number(config, "max_context", 1, integer=True))
         if max_context_flag is not None
@@ -315,7 +319,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
 def _dialect(config: pytest.Config, service: str, grid: Grid) -> Dialect:
     """The --server-dialect (sglang-ddtree for --service sglang, else ddtree), with every config of
     the grid checked against it: a knob it cannot set is a usage error naming knob and dialect."""
-    value, where = _raw(config, "server_dialect")
+    value, where = raw_option(config, "server_dialect")
     try:
         dialect = load_dialect(value or ("sglang-ddtree" if service == "sglang" else "ddtree"))
     except ConfigError as err:

@@ -1,4 +1,8 @@
-"""Per-run state of the suite, kept in the pytest config's stash (one typed key each)."""
+"""Per-run state of the suite, kept in the pytest config's stash (one typed key each).
+
+The keys are set only in the suite's own runs (ddtree.suite.plugin's pytest_configure), where the
+session object, the fixtures and the cell runner read them.
+"""
 
 from __future__ import annotations
 
@@ -57,11 +61,6 @@ class SuiteState:
 
 OPTIONS_KEY = pytest.StashKey[SuiteOptions]()
 STATE_KEY = pytest.StashKey[SuiteState]()
-
-
-def suite_active(config: pytest.Config) -> bool:
-    """True in the suite's own runs; False in other projects' runs, where every hook stays inert."""
-    return OPTIONS_KEY in config.stash
 
 
 def suite_options(config: pytest.Config) -> SuiteOptions:

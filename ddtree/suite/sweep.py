@@ -1,4 +1,4 @@
-"""One sweep cell, measured and judged: what tests/perf/test_sweep.py runs for every grid cell.
+"""One sweep cell, measured and judged: `run_cell` is what tests/perf/test_sweep.py runs for every grid cell.
 
 Per cell: warm-up requests (not counted), then `repeats` rounds of `requests_per_cell` prompts of
 exactly `context` tokens at the cell's concurrency, or at Poisson arrival times for a rate cell
@@ -29,6 +29,14 @@ from ddtree.suite.options import SuiteOptions
 from ddtree.suite.pace import PaceLog, cell_pace
 from ddtree.suite.state import SuiteState, suite_state
 from ddtree.suite.verdict import AR_CONFIG_ID, Tolerances, floor_entry, judge_cell, judge_config, speedup_over_ar
+
+
+def run_cell(config: pytest.Config, cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
+             prompt_maker: Callable[[int, int], list[list[int]]], pace: PaceLog) -> CellResult:
+    """The sweep test's whole body: measure the cell, write its file, then judge it (AssertionError on a failure)."""
+    result = measure_cell(cell, deployed, suite, prompt_maker, pace)
+    judge(config, suite, cell, result)
+    return result
 
 
 def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,

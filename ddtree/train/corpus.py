@@ -34,6 +34,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ddtree.errors import ConfigError
+from ddtree.quality.humaneval import GATE_FILE, gate_problem_ids
 
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"
@@ -41,8 +42,6 @@ EOT_ID = 0
 MASK_ID = 1
 SPECIAL_TOKENS = (EOT, MASK)  # ids 0 and 1, in this order
 
-DEFAULT_GATE_FILE = Path(__file__).resolve().parents[2] / "fixtures" / "prompts" / "gate_problems.txt"
-FALLBACK_GATE_COUNT = 24  # the first 24 HumanEval ids when the gate file is absent
 MANIFEST = "manifest.json"
 DOCUMENTS = "documents.jsonl"
 TOKENIZER = "tokenizer.json"
@@ -126,21 +125,19 @@ def humaneval_problems() -> list[dict[str, Any]]:
 
 
 def read_gate_ids(path: Path | None, problems: Sequence[dict[str, Any]]) -> list[str]:
-    """Task ids, one per line, '#' comments; the first 24 HumanEval ids if the file is absent."""
+    """The gate file's task ids (read by ddtree.quality.humaneval.gate_problem_ids), each a known HumanEval id.
+
+    The corpus repeats exactly the problems the coding gate asks for, so a missing file is an error
+    naming it, never a guess at other ids.
+    """
     known = {p["task_id"] for p in problems}
-    if path is None or not path.exists():
-        return [p["task_id"] for p in problems[:FALLBACK_GATE_COUNT]]
-    ids: list[str] = []
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if line not in known:
-            raise ConfigError(f"gate_file: {path}:{lineno}: unknown HumanEval task id {line!r}")
-        if line not in ids:
-            ids.append(line)
-    if not ids:
-        raise ConfigError(f"gate_file: {path} lists no task ids")
+    try:
+        ids = gate_problem_ids(path)
+    except ConfigError as err:
+        raise ConfigError(f"gate_file: {err}") from err
+    unknown = [task_id for task_id in ids if task_id not in known]
+    if unknown:
+        raise ConfigError(f"gate_file: {path or GATE_FILE}: unknown HumanEval task ids {unknown}")
     return ids
 
 
@@ -159,7 +156,7 @@ def collect_documents(spec: CorpusSpec) -> tuple[list[Document], dict[str, Any]]
         files.append({"path": rel, "bytes": len(text.encode()), "split": split})
 
     problems = humaneval_problems()
-    gate_file = Path(spec.gate_file) if spec.gate_file else DEFAULT_GATE_FILE
+    gate_file = Path(spec.gate_file) if spec.gate_file else GATE_FILE
     gate_ids = read_gate_ids(gate_file, problems)
     for p in problems:
         # prompt and solution are tokenized apart: at inference the prompt is encoded alone and
@@ -173,7 +170,7 @@ def collect_documents(spec: CorpusSpec) -> tuple[list[Document], dict[str, Any]]
         "stdlib_bytes": sum(f["bytes"] for f in files),
         "heldout_files": [f["path"] for f in files if f["split"] == "heldout"],
         "humaneval_problems": len(problems),
-        "gate_file": str(gate_file) if gate_file.exists() else None,
+        "gate_file": str(gate_file),
         "gate_ids": gate_ids,
         "gate_repeat": spec.gate_repeat,
         "special_tokens": {EOT: EOT_ID, MASK: MASK_ID},

@@ -93,7 +93,7 @@ def test_server_throughput(request: pytest.FixtureRequest, tmp_path: Path) -> No
         info = httpx.get(server.url + "/server_info").json()
     report = {"models": source, "spec": info["spec_config_id"], "device": info["device"],
               "avg_spec_accept_length": info["internal_states"][0]["avg_spec_accept_length"], "cells": rows}
-    out_dir = request.config.getoption("results_dir", default=None)
+    out_dir = request.config.getoption("ddtree_results_dir", default=None)  # --results-dir, None unless given
     out = Path(out_dir) if out_dir else tmp_path
     out.mkdir(parents=True, exist_ok=True)
     (out / "server_throughput.json").write_text(json.dumps(report, indent=2))

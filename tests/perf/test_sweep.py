@@ -2,9 +2,10 @@
 
     pytest -m perf --config-grid smoke        # ids like b8-k4-w2048-bs8-ctx60-c1 (-r2: 2 requests/s)
 
-How a cell is measured and judged is ddtree.suite.sweep's (pace-normalised throughput, acceptance;
-docs/results.md, "How a verdict is computed"); a config's last cell also carries its config's verdict,
-the medians over its cells of tok/s and speed-up over AR.
+The cell runner is ddtree.suite.sweep.run_cell: it measures the cell, writes its file and judges it
+(pace-normalised throughput, acceptance; docs/results.md, "How a verdict is computed"); a config's last
+cell also carries its config's verdict, the medians over its cells of tok/s and speed-up over AR. This
+file only declares the test, so that `-k`, `--collect-only` and node ids name the cells.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ddtree.grid import Cell
 from ddtree.service.manager import ServiceManager
 from ddtree.suite.options import SuiteOptions
 from ddtree.suite.pace import PaceLog
-from ddtree.suite.sweep import judge, measure_cell
+from ddtree.suite.sweep import run_cell
 
 pytestmark = pytest.mark.perf
 
@@ -31,6 +32,5 @@ def test_sweep(
     prompt_maker: Callable[[int, int], list[list[int]]],
     pace: PaceLog,
 ) -> None:
-    result = measure_cell(cell, deployed, suite, prompt_maker, pace)
-    judge(request.config, suite, cell, result)
+    run_cell(request.config, cell, deployed, suite, prompt_maker, pace)
 

@@ -35,7 +35,7 @@ def test_compare_writes_its_report_and_plot_and_exits_1_on_a_regression(
 
 @pytest.mark.parametrize(("args", "message"), [
     pytest.param(["--compare", "missing", "{new}"], "--compare OLD: missing has no cells/ directory", id="no-old"),
-    pytest.param(["--compare", "{new}", "{new}", "--tolerance", "1.5"], "tolerance 1.5 is not in [0, 1)", id="tolerance"),
+    pytest.param(["--compare", "{new}", "{new}", "--tolerance", "1.5"], "--tolerance: 1.5 is not a fraction in [0, 1)", id="tolerance"),
     pytest.param(["{new}", "--trend", "{new}"], "give one of RESULTS_DIR, --compare OLD NEW or --trend DIR...",
                  id="two-modes"),
     pytest.param(["--trend", "{empty}"], "has no cell files", id="empty-run"),

@@ -83,8 +83,8 @@ def test_bad_gate_files_are_rejected(tmp_path: Path, text: str, error: str) -> N
         gate_problems(path)
 
 
-def test_missing_gate_file_says_where_it_looked(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.txt not found"):
+def test_missing_gate_file_says_where_it_looked_and_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.txt not found; it lists the coding gate's .*: restore it, or name"):
         gate_problem_ids(tmp_path / "nope.txt")
 
 

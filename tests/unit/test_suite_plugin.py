@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree.suite.plugin import OPT_IN_NOTE, SUMMARY_TITLE
+from ddtree.suite.session import OPT_IN_NOTE, SUMMARY_TITLE
 from tests.unit.suite_copy import copy_suite
 
 REPO = Path(__file__).resolve().parents[2]

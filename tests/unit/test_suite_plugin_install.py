@@ -33,6 +33,11 @@ def test_wants_a_cell(cell):
 
 def test_wants_a_service(service):
     pass
+
+
+def test_no_suite_hook_is_registered(pytestconfig):
+    names = {name for name, _ in pytestconfig.pluginmanager.list_name_plugin()}
+    assert not {"ddtree-session", "ddtree-baseline", "ddtree-plan", "ddtree.suite.fixtures"} & names
 '''
 
 
@@ -46,7 +51,7 @@ def test_in_another_projects_run_it_requires_nothing_deselects_nothing_and_does_
     pytester.makeini("[pytest]\nmarkers =\n    perf: their own perf marker\n")
     pytester.makepyfile(test_theirs=OTHER_PROJECT)
     result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, errors=2)  # their perf test runs; nothing deselected
+    result.assert_outcomes(passed=3, errors=2)  # their perf test runs; nothing deselected; no session
     out = result.stdout.str()
     assert "deselected" not in out and "ddtree grid" not in out and "ddtree sweep" not in out
     result.stdout.fnmatch_lines(["plugins:*ddtree-*", "*fixture 'cell' not found*", "*fixture 'service' not found*"])

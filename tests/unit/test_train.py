@@ -127,15 +127,20 @@ def test_stdlib_files_are_sorted_small_and_utf8() -> None:
     assert rels == sorted(rels) and not any("site-packages" in r for r in rels)
 
 
-def test_gate_file_comments_fallback_and_unknown_ids(tmp_path: Path) -> None:
+def test_gate_file_comments_and_unknown_ids(tmp_path: Path) -> None:
     problems = humaneval_problems()
     f = tmp_path / "gate.txt"
-    f.write_text("# the gate\nHumanEval/3\n\nHumanEval/5  # inline comment\nHumanEval/3\n")
+    f.write_text("# the gate\nHumanEval/3\n\nHumanEval/5  # inline comment\n")
     assert read_gate_ids(f, problems) == ["HumanEval/3", "HumanEval/5"]
-    assert read_gate_ids(tmp_path / "absent.txt", problems) == [f"HumanEval/{i}" for i in range(24)]
     f.write_text("HumanEval/9999\n")
-    with pytest.raises(ConfigError, match="gate_file"):
+    with pytest.raises(ConfigError, match="gate_file: .*gate.txt: unknown HumanEval task ids"):
         read_gate_ids(f, problems)
+
+
+def test_a_missing_gate_file_is_an_error_naming_it_not_a_guess(tmp_path: Path) -> None:
+    """The corpus repeats exactly the coding gate's problems; other ids would train for a gate that is not run."""
+    with pytest.raises(ConfigError, match="gate_file: gate problems: .*absent.txt not found.*restore it"):
+        read_gate_ids(tmp_path / "absent.txt", humaneval_problems())
 
 
 def test_humaneval_documents_keep_prompt_and_solution_apart(data_dir: Path) -> None:
@@ -290,7 +295,7 @@ def test_a_grown_drafter_starts_out_computing_what_the_smaller_one_does(data_dir
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
     target = load_target(target_dir)
@@ -322,7 +327,7 @@ def test_a_drafter_given_more_taps_starts_out_computing_what_it_did(data_dir: Pa
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     target = load_target(target_dir)
     layers = target.config.num_hidden_layers
@@ -352,7 +357,7 @@ def test_a_drafter_with_wider_mlps_starts_out_computing_what_the_narrower_one_do
     from dataclasses import replace
 
     from ddtree.models import init_drafter, load_drafter, load_target
-    from ddtree.train.drafter import init_from_drafter
+    from ddtree.train.drafter_init import init_from_drafter
 
     train_drafter(data_dir, target_dir, tmp_path / "a", tiny_opts(steps=1, eval_batches=0), TINY_DRAFTER)
     target = load_target(target_dir)
