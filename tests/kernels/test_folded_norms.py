@@ -142,11 +142,11 @@ def test_a_folded_target_forwards_as_the_unfolded_one_and_unfolds_bit_for_bit(
     folded layers (each GEMM scaled by its rows' 1 / rms from the sums); rows off it take the add + norm loop
     with a weight of ones. Either is the unfolded forward."""
     from ddtree.models import target as target_module
-    from tests.kernels.test_skinny_gemm import _fixture_forwards
+    from tests.kernels.test_skinny_gemm import fixture_forwards
 
     target = _fixture()
     before = {name: p.detach().clone() for name, p in target.named_parameters()}
-    expected = _fixture_forwards(target, q, "reference")
+    expected = fixture_forwards(target, q, "reference")
     kept = target.fold_norms(keep=True)
     monkeypatch.setattr(target_module, "skinny_route", lambda x, weight: route)
     norm_weights: list[torch.Tensor] = []
@@ -161,7 +161,7 @@ def test_a_folded_target_forwards_as_the_unfolded_one_and_unfolds_bit_for_bit(
         target.fold_norms()
     with pytest.raises(RuntimeError, match="inference state"):
         target.forward_train(torch.zeros(1, 4, dtype=torch.long, device=DEVICE))
-    got = _fixture_forwards(target, q, "reference")
+    got = fixture_forwards(target, q, "reference")
     n_layers = target.config.num_hidden_layers
     n_forwards = 2  # the context's prefill and the forward compared
     ones = [w for w in norm_weights if torch.equal(w, torch.ones_like(w))]
@@ -186,16 +186,16 @@ def test_a_folded_target_forwards_as_the_unfolded_one_and_unfolds_bit_for_bit(
 def test_triton_folded_target_through_the_kernel_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every few-row GEMM on the kernel (the interpreter on the CPU): four a layer with the sums between them,
     and the head; the same logits and taps as the unfolded forward on torch's ops."""
-    from tests.kernels.test_skinny_gemm import _fixture_forwards
+    from tests.kernels.test_skinny_gemm import fixture_forwards
 
     target = _fixture()
-    expected = _fixture_forwards(target, 9, "reference")
+    expected = fixture_forwards(target, 9, "reference")
     target.fold_norms()
     calls: list[dict] = []
     real = layers.skinny_linear
     monkeypatch.setattr(layers, "skinny_linear", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setattr(layers, "_gemv_rows", lambda x, weight, bias: bias is None and x[..., 0].numel() <= 18)
-    got = _fixture_forwards(target, 9, "reference")
+    got = fixture_forwards(target, 9, "reference")
     n_layers = target.config.num_hidden_layers
     assert len(calls) == 4 * n_layers + 1
     assert sum(kw["norm_sums"] is not None for kw in calls) == 2 * n_layers

@@ -345,7 +345,7 @@ def test_reference_is_the_layers_ops() -> None:
     assert torch.equal(skinny_linear_reference(x, w, swiglu=True, norm_weight=nw, eps=1e-6, residual=res), expected)
 
 
-def _fixture_forwards(target, q: int, attention: str, last_tap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def fixture_forwards(target, q: int, attention: str, last_tap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and taps of a q-token forward (q > 1: a causal verify chain) of the fixture target over a
     random cached context of 24 tokens at batch 2; the taps are layer 0 and, with last_tap, the last layer
     (without it the final norm can ride in the head's GEMM), and the logits those of the last 2 queries."""
@@ -375,12 +375,12 @@ def test_target_layers_with_norms_and_adds_in_the_gemms_are_the_same_forward(q: 
 
     target = load_target(FIXTURE_TARGET, dtype=torch.float32)
     target.fuse_projections()
-    expected = _fixture_forwards(target, q, "reference", last_tap)
+    expected = fixture_forwards(target, q, "reference", last_tap)
     monkeypatch.setattr(target_module, "skinny_route", lambda x, weight: True)
     monkeypatch.setattr(target_module, "NORMS_IN_SKINNY_GEMMS", True)
     with torch.no_grad():  # training (gradients to the weights) runs the separate Linears
         assert target._skinny_layers(torch.zeros(1, 1, target.config.hidden_size))
-    got = _fixture_forwards(target, q, "reference", last_tap)
+    got = fixture_forwards(target, q, "reference", last_tap)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -397,19 +397,19 @@ def test_triton_target_forward_through_the_kernel_matches(q: int, last_tap: bool
 
     target = load_target(FIXTURE_TARGET, device=DEVICE, dtype=torch.float32)
     target.fuse_projections()
-    expected = _fixture_forwards(target.cpu(), q, "reference", last_tap) if not HAS_CUDA else None
+    expected = fixture_forwards(target.cpu(), q, "reference", last_tap) if not HAS_CUDA else None
     calls: list[int] = []
     real = layers.skinny_linear
     monkeypatch.setattr(layers, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     # the fixture is float32 and narrow: let the route take the 2 x q rows after the prefill (IEEE float32 on a GPU too)
     monkeypatch.setattr(layers, "_gemv_rows", lambda x, weight, bias: bias is None and x[..., 0].numel() <= 18)
     monkeypatch.setattr(target_module, "NORMS_IN_SKINNY_GEMMS", norms_inside)
-    got = _fixture_forwards(target, q, "reference", last_tap)
+    got = fixture_forwards(target, q, "reference", last_tap)
     n_layers = target.config.num_hidden_layers
     assert len(calls) == 4 * n_layers + 1, f"{len(calls)} kernel calls; 4 a layer and the head expected"
     if expected is None:
         monkeypatch.undo()
-        expected = _fixture_forwards(target, q, "reference", last_tap)
+        expected = fixture_forwards(target, q, "reference", last_tap)
     assert_close(got[0], expected[0], what=f"logits, q {q}", atol=2e-3, rtol=2e-3)
     assert_close(got[1], expected[1], what=f"taps, q {q}", atol=2e-3, rtol=2e-3)
 

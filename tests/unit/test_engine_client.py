@@ -34,7 +34,7 @@ FIXTURE_TARGET = os.path.join(REPO, "fixtures", "models", "target")
 # -- a forked engine -----------------------------------------------------------------------------------
 
 
-def _args(spec: str = "ar", **flags: Any) -> Any:
+def emulator_args(spec: str = "ar", **flags: Any) -> Any:
     argv = ["--model-path", FIXTURE_TARGET, "--max-running-requests", "4", "--device", "cpu"]
     if spec != "ar":
         argv += ["--speculative-algorithm", "DDTREE"]
@@ -43,12 +43,12 @@ def _args(spec: str = "ar", **flags: Any) -> Any:
     return resolve_args(argv)
 
 
-def _emulated(round_s: float = 0.002) -> tuple[EmulatedEngine, int]:
+def emulated_engine(round_s: float = 0.002) -> tuple[EmulatedEngine, int]:
     return EmulatedEngine(4096, 512, round_s, 0.001, 1), 512
 
 
-def _start(load: Callable[[], tuple[Any, int]] = _emulated, args: Any = None) -> EngineProcess:
-    args = args or _args()
+def _start(load: Callable[[], tuple[Any, int]] = emulated_engine, args: Any = None) -> EngineProcess:
+    args = args or emulator_args()
     return EngineProcess(load, partial(open_scheduler, spec=args.spec, args=args), "warning")
 
 
@@ -82,7 +82,7 @@ class Collector:
         return [t for e in self.events[rid] if isinstance(e, StepOutput) for t in e.new_token_ids]
 
 
-def _request(rid: str, prompt: list[int], n: int) -> Request:
+def make_request(rid: str, prompt: list[int], n: int) -> Request:
     return Request(rid, prompt, n, ignore_eos=True)
 
 
@@ -95,9 +95,9 @@ def test_requests_run_in_the_child_and_their_events_reach_the_sinks(engine: Engi
         engine.start()
         got = Collector(3)
         for i, (rid, prompt) in enumerate(prompts.items()):
-            engine.submit(_request(rid, prompt, 12), got.sink(rid), eager=i == 0)
+            engine.submit(make_request(rid, prompt, 12), got.sink(rid), eager=i == 0)
         with pytest.raises(RequestError, match="already in flight"):
-            engine.submit(_request("a", [1], 2), got.sink("a"))
+            engine.submit(make_request("a", [1], 2), got.sink("a"))
         await asyncio.wait_for(got.done.wait(), 20)
         return got
 
@@ -125,7 +125,7 @@ def test_a_lazy_requests_rounds_are_held_until_its_end(monkeypatch: pytest.Monke
         async def run(eager: bool) -> float:
             """How far apart the 2nd to 10th tokens arrived (9 rounds of >= 2 ms when sent as they come)."""
             got = Collector(1)
-            proc.submit(_request(f"r{eager}", [3, 4], 10), got.sink("x"), eager=eager)
+            proc.submit(make_request(f"r{eager}", [3, 4], 10), got.sink("x"), eager=eager)
             await asyncio.wait_for(got.done.wait(), 20)
             assert len(got.tokens("x")) == 10
             return got.arrived["x"][-1] - got.arrived["x"][1]
@@ -155,7 +155,7 @@ def test_a_lone_plain_requests_rounds_go_as_they_come_and_several_are_held(monke
             """How many events each request's 10 tokens came in (all submitted together, plain)."""
             got = Collector(len(rids))
             for rid in rids:
-                proc.submit(_request(rid, [3, 4], 10), got.sink(rid), eager=False)
+                proc.submit(make_request(rid, [3, 4], 10), got.sink(rid), eager=False)
             await asyncio.wait_for(got.done.wait(), 20)
             assert all(len(got.tokens(rid)) == 10 for rid in rids)
             return [len(got.arrived[rid]) for rid in rids]
@@ -212,7 +212,7 @@ def test_cancel_aborts_a_running_request(engine: EngineProcess) -> None:
     async def run() -> Collector:
         engine.start()
         got = Collector(1)
-        engine.submit(_request("long", [1, 2], 400), got.sink("long"))
+        engine.submit(make_request("long", [1, 2], 400), got.sink("long"))
         while "long" not in got.events:
             await asyncio.sleep(0.005)
         engine.cancel("long")
@@ -233,7 +233,7 @@ def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: EngineProce
         engine.start()
         got = Collector(2)
         for rid in ("x", "y"):
-            engine.submit(_request(rid, [1, 2], 300), got.sink(rid))
+            engine.submit(make_request(rid, [1, 2], 300), got.sink(rid))
         while len(got.events) < 2:
             await asyncio.sleep(0.005)
         os.kill(engine.pid, signal.SIGKILL)
@@ -248,7 +248,7 @@ def test_a_killed_engine_fails_what_is_in_flight_and_says_so(engine: EngineProce
     assert deaths and "killed by SIGKILL" in deaths[0]
     assert not engine.alive
     with pytest.raises(RequestError) as err:
-        engine.submit(_request("z", [1], 2), lambda e: None)
+        engine.submit(make_request("z", [1], 2), lambda e: None)
     assert err.value.status_code == 503
 
 
@@ -279,10 +279,10 @@ def test_start_up_failures_carry_the_servers_exit_status(load: Callable[[], tupl
 
 def test_stop_ends_the_child_even_when_nothing_reads_its_events() -> None:
     """A child whose events pipe is full would block in its last sends; stop() drains it when no loop reads."""
-    proc = _start(partial(_emulated, 0.0))
+    proc = _start(partial(emulated_engine, 0.0))
     proc.wait_loaded(60)
     for i in range(4):  # ~20k events, far more than a pipe holds, with nobody reading
-        proc.submit(_request(f"r{i}", [1, 2], 500), lambda e: None, eager=True)
+        proc.submit(make_request(f"r{i}", [1, 2], 500), lambda e: None, eager=True)
     time.sleep(0.5)
     started = time.monotonic()
     proc.stop(timeout=10)

@@ -31,7 +31,7 @@ PATH_SPECS = [
 ]
 
 
-def _with_attention(engine: Engine, attention: str, cuda_graphs: bool | None = None) -> Engine:
+def with_attention(engine: Engine, attention: str, cuda_graphs: bool | None = None) -> Engine:
     return Engine(engine.target, engine.drafter, attention=attention, cuda_graphs=cuda_graphs)
 
 
@@ -44,7 +44,7 @@ def sdpa_engine() -> Engine:
 @pytest.mark.parametrize("spec", PATH_SPECS)
 def test_kernel_attention_rounds_equal_ar(sdpa_engine: Engine, spec: SpecConfig, temperature: float) -> None:
     """Verify through tree_attention (reference backend here, Triton on CUDA) commits AR's tokens."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     assert kernel.attention == "reference" and not kernel.cuda_graphs
     batch = prompts(3, seed=21)
     ref = sdpa_engine.generate(batch, 20, temperature=temperature, spec=AR, seed=5)
@@ -83,10 +83,10 @@ def test_kernel_attention_logits_match_sdpa(sdpa_engine: Engine) -> None:
 
 def test_attention_and_graph_choices_are_checked(sdpa_engine: Engine) -> None:
     with pytest.raises(ConfigError, match="attention: 'flash' is not one of"):
-        _with_attention(sdpa_engine, "flash")
+        with_attention(sdpa_engine, "flash")
     with pytest.raises(ConfigError, match="cuda_graphs: need a CUDA device"):
-        _with_attention(sdpa_engine, "reference", cuda_graphs=True)
-    assert _with_attention(sdpa_engine, "auto").attention == "sdpa"  # CPU: auto keeps SDPA
+        with_attention(sdpa_engine, "reference", cuda_graphs=True)
+    assert with_attention(sdpa_engine, "auto").attention == "sdpa"  # CPU: auto keeps SDPA
     with pytest.raises(ValueError, match="attention: 'reference' verifies at most 256 tokens"):
         cache = sdpa_engine.target.new_cache(1, 400)
         sdpa_engine.target.forward(torch.zeros(1, 300, dtype=torch.long), torch.arange(300)[None], cache,
@@ -105,7 +105,7 @@ def test_buckets() -> None:
 # -- CUDA: Triton kernels and graphs ------------------------------------------------------------------
 
 
-def _cuda_engine(cuda_graphs: bool) -> Engine:
+def cuda_engine(cuda_graphs: bool) -> Engine:
     cpu = make_engine()
     target = cpu.target.to("cuda")
     drafter = cpu.drafter.to("cuda")
@@ -144,7 +144,7 @@ def test_a_real_width_bf16_engine_folds_its_norms_and_commits_the_targets_tokens
 @pytest.mark.parametrize("spec", GPU_SPECS)
 def test_graphed_rounds_equal_ar(spec: SpecConfig, temperature: float) -> None:
     """CUDA graphs on (rows padded to buckets, 5 prompts -> bucket 8): the same tokens as eager AR."""
-    eager, graphed = _cuda_engine(False), _cuda_engine(True)
+    eager, graphed = cuda_engine(False), cuda_engine(True)
     batch = prompts(5, seed=8)
     ref = eager.generate(batch, 24, temperature=temperature, spec=AR, seed=3)
     for engine in (graphed, eager):
@@ -160,7 +160,7 @@ def test_graphed_rounds_equal_ar(spec: SpecConfig, temperature: float) -> None:
 def test_graphed_auto_times_every_captured_round() -> None:
     """The first auto round ahead captures every tree size for buckets 1..8 and times each replay: the costs
     it chooses with are those times (+inf where no graph exists), and the batch's tokens stay AR's."""
-    engine = _cuda_engine(True)
+    engine = cuda_engine(True)
     spec = SpecConfig(budget="auto", max_budget=16, topk=4, block_size=8)
     batch = prompts(5, seed=8)
     ref = engine.generate(batch, 24, spec=AR)
@@ -195,7 +195,7 @@ def _join_one_by_one(b: DecodeBatch, batch: list[list[int]], lengths: list[int])
 @cuda
 def test_graphed_slots_refill_across_buckets() -> None:
     """Requests finish and join between rounds (batch sizes 1..3 -> buckets 1, 2, 4): outputs equal AR's."""
-    engine = _cuda_engine(True)
+    engine = cuda_engine(True)
     spec = SpecConfig(budget=6, topk=3, block_size=6, draft_window=None)
     batch = prompts(6, seed=14)
     lengths = [5, 31, 9, 40, 12, 3]
@@ -205,7 +205,7 @@ def test_graphed_slots_refill_across_buckets() -> None:
     assert b.graphs is not None and b.graphs.replays > b.graphs.captures > 0
 
 
-class _EagerGraphs:
+class EagerGraphs:
     """GraphCache's interface without CUDA: every run calls fn, which is what a replay recomputes."""
 
     def __init__(self) -> None:
@@ -232,12 +232,12 @@ class _EagerGraphs:
 def test_graphed_code_paths_equal_ar_on_cpu(sdpa_engine: Engine, spec: SpecConfig) -> None:
     """The graphed batch's code (staged one-request prefills copied into their slot by a device index, rows
     padded to buckets) run eagerly on the CPU: requests joining and leaving get AR's tokens."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     batch = prompts(5, seed=14)
     lengths = [5, 31, 9, 40, 12]
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160)
-    b.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = graphs = EagerGraphs()  # type: ignore[assignment]
     b.budget.calibrate_every = 8  # a rewrite within these few rounds
     assert _join_one_by_one(b, batch, lengths) == ref
     assert {k for k in graphs.keys if k[0] == "prefill"} == {("prefill", 64, False)}  # every prompt <= 64 tokens
@@ -271,12 +271,12 @@ def test_graphed_auto_costs_are_the_timed_rounds_on_cpu(sdpa_engine: Engine) -> 
     """Graphed code on the CPU, stage clocks off: the first round ahead times every tree size of buckets 1..3
     (each replay from the batch's state) and chooses with those seconds (+inf where no graph exists); the
     calibration moves every size alike; the tokens stay AR's."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
     batch, lengths = prompts(4, seed=21), [30, 12, 26, 35]
     ref = [sdpa_engine.generate(p, n, spec=AR).token_ids for p, n in zip(batch, lengths)]
     b = kernel.open_batch(spec, max_batch=3, max_len=160, profile=False)
-    b.runner.graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = EagerGraphs()  # type: ignore[assignment]
     assert _join_one_by_one(b, batch, lengths) == ref
     on_graph = set(tree_sizes(12))
     assert sorted(b.budget.round_tables) == [(1, 12), (2, 12), (3, 12)]
@@ -290,12 +290,12 @@ def test_graphed_auto_costs_are_the_timed_rounds_on_cpu(sdpa_engine: Engine) -> 
 def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Graphed auto (run eagerly on the CPU): one round in CHOOSE_EVERY builds the cap's tree and chooses the
     next size; the rounds between build and verify that size only (a fixed budget's round); tokens stay AR's."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
     batch = prompts(2, seed=5)
     ref = [sdpa_engine.generate(p, 60, spec=AR).token_ids for p in batch]
     b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
-    b.runner.graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = EagerGraphs()  # type: ignore[assignment]
     built: list[int] = []  # build_trees' size argument, call by call
     build_trees = tree_ops.build_trees
     monkeypatch.setattr(tree_ops, "build_trees", lambda logits, size, topk: built.append(size) or build_trees(logits, size, topk))
@@ -334,13 +334,13 @@ def test_graphed_auto_chooses_one_round_in_few_on_cpu(sdpa_engine: Engine, monke
 def test_graphed_auto_does_not_calibrate_unless_told(sdpa_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A graphed batch chooses with its captured rounds' own times: no round feeds the calibration and the
     costs stay the timed table (an eager batch calibrates every CALIBRATE_EVERY rounds)."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     spec = SpecConfig(budget="auto", max_budget=12, topk=3, block_size=6, draft_window=None)
     assert kernel.open_batch(spec, max_batch=2, max_len=160).budget.calibrate_every == CALIBRATE_EVERY > 0  # eager
-    monkeypatch.setattr(engine_module, "GraphCache", lambda device: _EagerGraphs())
+    monkeypatch.setattr(engine_module, "GraphCache", lambda device: EagerGraphs())
     kernel.cuda_graphs = True
     b = kernel.open_batch(spec, max_batch=2, max_len=160, profile=False)
-    assert isinstance(b.graphs, _EagerGraphs) and b.budget.calibrate_every == 0
+    assert isinstance(b.graphs, EagerGraphs) and b.budget.calibrate_every == 0
     batch = prompts(2, seed=9)
     ref = [sdpa_engine.generate(p, 40, spec=AR).token_ids for p in batch]
     assert _join_one_by_one(b, batch, [40, 40]) == ref
@@ -403,14 +403,14 @@ def _syncs_per_round(engine: Engine, spec: SpecConfig, rows: int, rounds: int = 
 def test_graphed_round_syncs_only_to_hand_back_tokens(spec: SpecConfig, syncs: int) -> None:
     """At batch 32 a graphed round waits on the device only for the tokens (budget auto: also in the round
     that rewrites its costs from measured rounds, an asynchronous copy)."""
-    engine = _cuda_engine(True)
+    engine = cuda_engine(True)
     rounds = 8 + 1 if spec.auto_budget else 3  # budget auto: one rewrite of its costs (calibrate_every 8)
     assert _syncs_per_round(engine, spec, rows=32, rounds=rounds) == [syncs] * rounds
 
 
 def test_trees_wider_than_the_kernel_fall_back_to_sdpa(sdpa_engine: Engine) -> None:
     """A budget past the kernel's 256 verify tokens runs that batch on SDPA (eagerly), still lossless."""
-    kernel = _with_attention(sdpa_engine, "reference")
+    kernel = with_attention(sdpa_engine, "reference")
     wide = SpecConfig(budget=300, topk=8, block_size=16, draft_window=None)
     assert kernel.open_batch(wide, max_batch=1, max_len=400).attention == "sdpa"
     assert kernel.open_batch(SpecConfig(budget=8, topk=4), max_batch=1, max_len=400).attention == "reference"
@@ -421,7 +421,7 @@ def test_trees_wider_than_the_kernel_fall_back_to_sdpa(sdpa_engine: Engine) -> N
 
 
 def test_graphed_auto_budget_measures_exactly_the_sizes_it_chooses_among(sdpa_engine: Engine) -> None:
-    engine = _with_attention(sdpa_engine, "sdpa")
+    engine = with_attention(sdpa_engine, "sdpa")
     assert engine._cost_widths(32) == [2, 3, 5, 9, 17, 33]  # eager: interpolated between these
     engine.cuda_graphs = True  # what a CUDA engine has (the choice itself needs no device)
     assert engine._cost_widths(32) == [b + 1 for b in tree_sizes(32)] == [2, 3, 4, 5, 7, 9, 13, 17, 25, 33]

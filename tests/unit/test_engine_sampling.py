@@ -15,7 +15,7 @@ from ddtree.config import Algorithm, SpecConfig
 from ddtree.engine import DecodeBatch, Engine, Request
 from ddtree.sampling import Mode
 from tests.unit.test_engine import AR, make_engine, prompts
-from tests.unit.test_engine_paths import _cuda_engine, _EagerGraphs, cuda
+from tests.unit.test_engine_paths import EagerGraphs, cuda, cuda_engine
 
 SPECS = [AR, SpecConfig(Algorithm.DFLASH, block_size=8, draft_window=None), SpecConfig(budget=8, topk=4, block_size=8)]
 OPTIONS = [  # one row each, in one batch
@@ -109,7 +109,7 @@ def test_graphed_code_paths_carry_the_options_on_cpu(engine: Engine) -> None:
     batch = prompts(len(OPTIONS), seed=31)
     ref = run_batch(engine.open_batch(AR, max_batch=8, max_len=160), requests(batch))
     b = engine.open_batch(SPECS[2], max_batch=3, max_len=160)
-    b.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    b.runner.graphs = graphs = EagerGraphs()  # type: ignore[assignment]
     check_same(run_batch(b, requests(batch), one_by_one=True), ref, "graphed code")
     modes = {k[3] for k in graphs.keys if k[0] == "round"}
     assert Mode.SAMPLED | Mode.FILTERED | Mode.LOGPROBS in modes
@@ -120,7 +120,7 @@ def test_graphed_code_paths_carry_the_options_on_cpu(engine: Engine) -> None:
 @pytest.mark.gpu
 @cuda
 def test_captured_graphs_carry_the_options() -> None:
-    eager, graphed = _cuda_engine(False), _cuda_engine(True)
+    eager, graphed = cuda_engine(False), cuda_engine(True)
     batch = prompts(len(OPTIONS), seed=31)
     ref = run_batch(eager.open_batch(AR, max_batch=8, max_len=160), requests(batch))
     for spec in SPECS:

@@ -204,6 +204,16 @@ def test_no_module_uses_another_modules_private_names() -> None:
     assert not found, "give the name a public spelling or move the code: " + "; ".join(found)
 
 
+def test_no_test_module_uses_another_test_modules_private_names() -> None:
+    """Helpers shared between test files have public names. (A test may look inside the module it tests.)"""
+    modules = sources()
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        modules["tests." + ".".join(path.relative_to(REPO / "tests").with_suffix("").parts)] = path.read_text()
+    found = [f for f in private_reach_ins(modules)
+             if f.startswith("tests.") and f.split("(defined in ")[1].startswith("tests.")]
+    assert not found, "give the shared helper a public name: " + "; ".join(found)
+
+
 def test_nothing_points_at_a_document_outside_the_repository() -> None:
     found = outside_references(REPO)
     assert not found, "the repository stands alone; put what the code relies on in docs/: " + "; ".join(found)

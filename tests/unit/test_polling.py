@@ -13,7 +13,7 @@ from ddtree.serving.args import resolve_args
 from ddtree.serving.engine_client import EngineProcess
 from ddtree.serving.engine_worker import open_scheduler
 from ddtree.serving.polling import POLL_MIN_CPUS, POLL_WINDOW_S, LoopPoller, PollWindow, describe, polling_window
-from tests.unit.test_engine_client import FIXTURE_TARGET, Collector, _args, _emulated, _request
+from tests.unit.test_engine_client import FIXTURE_TARGET, Collector, emulated_engine, emulator_args, make_request
 
 
 @pytest.mark.parametrize(("sleep_on_idle", "cpus", "window"), [
@@ -82,8 +82,8 @@ def test_a_zero_window_never_polls() -> None:
 def test_the_http_side_polls_while_requests_run_and_stops_after_the_window() -> None:
     """A forked engine with polling on: the requests' events reach their sinks as without it, the loop turned
     while they ran, and it sleeps once the window after the last event has closed."""
-    args = _args()
-    engine = EngineProcess(_emulated, partial(open_scheduler, spec=args.spec, args=args), "warning",
+    args = emulator_args()
+    engine = EngineProcess(emulated_engine, partial(open_scheduler, spec=args.spec, args=args), "warning",
                               poll_window_s=0.05)
     engine.wait_loaded(60)
 
@@ -91,8 +91,8 @@ def test_the_http_side_polls_while_requests_run_and_stops_after_the_window() -> 
         engine.start()
         assert engine.poller is not None and not engine.poller.running
         got = Collector(2)
-        engine.submit(_request("a", [5, 6, 7], 20), got.sink("a"))
-        engine.submit(_request("b", [9, 10], 20), got.sink("b"), eager=False)
+        engine.submit(make_request("a", [5, 6, 7], 20), got.sink("a"))
+        engine.submit(make_request("b", [9, 10], 20), got.sink("b"), eager=False)
         await asyncio.wait_for(got.done.wait(), 20)
         during = engine.poller.turns
         await asyncio.sleep(0.2)

@@ -14,7 +14,7 @@ from ddtree.engine import Engine, Request, StepOutput
 from ddtree.profiling.emulated import EmulatedBatch
 from ddtree.serving.scheduler import Failure, Scheduler
 from tests.unit.test_engine import AR, make_engine, prompts
-from tests.unit.test_engine_paths import _EagerGraphs, _with_attention
+from tests.unit.test_engine_paths import EagerGraphs, with_attention
 
 EMU = SpecConfig.from_id("ar")
 
@@ -479,8 +479,8 @@ def test_served_graphed_rounds_equal_ar_at_t0(engine: Engine, config: str) -> No
     spec = SpecConfig.from_id(config)
     texts = prompts(4, seed=41)
     ref = engine.generate(texts, 14, spec=AR)
-    batch = _with_attention(engine, "reference").open_batch(spec, max_batch=3, max_len=200)
-    batch.runner.graphs = graphs = _EagerGraphs()  # type: ignore[assignment]
+    batch = with_attention(engine, "reference").open_batch(spec, max_batch=3, max_len=200)
+    batch.runner.graphs = graphs = EagerGraphs()  # type: ignore[assignment]
     reqs = [Request(str(i), p, 14) for i, p in enumerate(texts)]
     events = Events([r.request_id for r in reqs])
     run(Scheduler(batch, max_running=3, warm_token=5, switch_interval_s=None), events, reqs, timeout=300)

@@ -183,7 +183,7 @@ def test_sampling_depends_on_the_seed_only() -> None:
     run(app, body)
 
 
-def _word_codec() -> TextCodec:
+def word_codec() -> TextCodec:
     words = ["<unk>", "<eos>", "the", "cat", "sat", "on", "mat", "a", "dog"] + [f"w{i}" for i in range(88)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -191,7 +191,7 @@ def _word_codec() -> TextCodec:
 
 
 def test_text_prompt_is_encoded_and_output_decoded() -> None:
-    codec = _word_codec()
+    codec = word_codec()
     app, engine = make_app(codec=codec)
 
     async def body(c: httpx.AsyncClient) -> None:
@@ -461,7 +461,7 @@ def test_concurrent_requests_match_their_single_outputs_and_respect_the_cap() ->
 
 # -- other endpoints ---------------------------------------------------------------------------------
 def test_v1_completions_shape_and_usage() -> None:
-    app, engine = make_app(codec=_word_codec())
+    app, engine = make_app(codec=word_codec())
 
     async def body(c: httpx.AsyncClient) -> None:
         r = await c.post("/v1/completions", json={"model": "m", "prompt": [2, 3, 4], "max_tokens": 10, "temperature": 0, "ignore_eos": True})
@@ -469,14 +469,14 @@ def test_v1_completions_shape_and_usage() -> None:
         out = r.json()
         want, _ = expected([2, 3, 4], engine, max_new_tokens=10, ignore_eos=True)
         assert out["object"] == "text_completion" and out["id"]
-        assert out["choices"][0]["text"] == _word_codec().decode(want)
+        assert out["choices"][0]["text"] == word_codec().decode(want)
         assert out["choices"][0]["finish_reason"] == "length"
         assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
         spec = out["sglext"]["spec_tokens_details"]
         assert spec["spec_accept_length"] == pytest.approx(10 / spec["spec_verify_ct"])
         r = await c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 10, "temperature": 0, "stream": True, "ignore_eos": True})
         chunks = parse_sse(r.text)
-        assert "".join(ch["choices"][0]["text"] for ch in chunks) == _word_codec().decode(
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == word_codec().decode(
             expected([2, 3], engine, max_new_tokens=10, ignore_eos=True)[0]
         )
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -888,7 +888,7 @@ def test_load_tokenizer_reads_tokenizer_json_or_returns_none(tmp_path: Any) -> N
     from ddtree.text import load_tokenizer
 
     assert load_tokenizer(tmp_path) is None
-    _word_codec().tokenizer.save(str(tmp_path / "tokenizer.json"))
+    word_codec().tokenizer.save(str(tmp_path / "tokenizer.json"))
     codec = load_tokenizer(tmp_path)
     assert codec is not None and codec.encode("the cat") == [2, 3] and codec.decode([2, 3]) == "the cat"
     (tmp_path / "tokenizer.json").write_text("{broken")

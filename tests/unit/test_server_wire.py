@@ -20,7 +20,7 @@ from ddtree.engine import Request
 from ddtree.serving.chat import ChatTemplate, TemplateError, load_chat_template
 from ddtree.serving.stops import find_stop, held_back
 from tests.unit.server_fakes import FakeEngine, expected_output, fake_logprob
-from tests.unit.test_server_api import _word_codec, gen, make_app, parse_sse, run
+from tests.unit.test_server_api import gen, make_app, parse_sse, run, word_codec
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n"
@@ -55,7 +55,7 @@ def chat_folder(tmp_path: Path, template: str | None = TEMPLATE) -> str:
 # -- /generate: SGLang's request ----------------------------------------------------------------------
 def test_sglang_bench_client_payload_is_accepted() -> None:
     """The body SGLang 0.5.23's bench client (backend sglang) sends on every request."""
-    app, engine = make_app(codec=_word_codec())
+    app, engine = make_app(codec=word_codec())
 
     async def body(c: httpx.AsyncClient) -> None:
         payload = {"text": "the cat sat", "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
@@ -210,12 +210,12 @@ def test_stop_helpers() -> None:
 
 def _greedy_words(engine: FakeEngine, prompt: list[int], n: int) -> tuple[list[int], list[str]]:
     want, _ = expected_output(Request("x", prompt, n, 0.0, None, (), True), engine.vocab_size, engine.eos_token_id)
-    return want, _word_codec().decode(want).split(" ")
+    return want, word_codec().decode(want).split(" ")
 
 
 @pytest.mark.parametrize("no_trim", [False, True])
 def test_stop_string_cuts_text_and_tokens_and_ends_the_request(no_trim: bool) -> None:
-    codec = _word_codec()
+    codec = word_codec()
     engine = FakeEngine()
     engine.step_delay = 0.002
     app, _ = make_app(engine, codec=codec)
@@ -253,7 +253,7 @@ def test_stop_string_cuts_text_and_tokens_and_ends_the_request(no_trim: bool) ->
 
 @pytest.mark.parametrize("no_trim", [False, True])
 def test_a_stop_token_stays_in_output_ids_and_leaves_the_text(no_trim: bool) -> None:
-    codec = _word_codec()
+    codec = word_codec()
     app, engine = make_app(codec=codec)
     ids, words = _greedy_words(engine, [2, 3], 60)
     k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and ids[i] != engine.eos_token_id)
@@ -280,7 +280,7 @@ def test_stop_strings_need_a_tokenizer() -> None:
 
 # -- /tokenize, /detokenize, /v1/models, /model_info ---------------------------------------------------
 def test_tokenize_and_detokenize_shapes() -> None:
-    app, _ = make_app(codec=_word_codec(), context_length=200)
+    app, _ = make_app(codec=word_codec(), context_length=200)
 
     async def body(c: httpx.AsyncClient) -> None:
         one = (await c.post("/tokenize", json={"prompt": "the cat sat"})).json()
@@ -298,7 +298,7 @@ def test_tokenize_and_detokenize_shapes() -> None:
 
 
 def test_models_and_model_info() -> None:
-    app, _ = make_app(codec=_word_codec(), served_model_name="tiny")
+    app, _ = make_app(codec=word_codec(), served_model_name="tiny")
 
     async def body(c: httpx.AsyncClient) -> None:
         models = (await c.get("/v1/models")).json()
@@ -316,7 +316,7 @@ def test_models_and_model_info() -> None:
 
 # -- /v1/completions ---------------------------------------------------------------------------------------
 def test_completions_n_and_prompt_lists() -> None:
-    app, engine = make_app(codec=_word_codec())
+    app, engine = make_app(codec=word_codec())
 
     async def body(c: httpx.AsyncClient) -> None:
         r = await c.post("/v1/completions", json={"prompt": ["the cat", "a dog"], "n": 2, "max_tokens": 4, "temperature": 0.5,
@@ -326,7 +326,7 @@ def test_completions_n_and_prompt_lists() -> None:
         assert [ch["index"] for ch in out["choices"]] == [0, 1, 2, 3]
         assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
         want, _ = expected_output(Request("x", [7, 8], 4, 0.5, 4, (), True), engine.vocab_size, engine.eos_token_id)
-        assert out["choices"][3]["text"] == _word_codec().decode(want)
+        assert out["choices"][3]["text"] == word_codec().decode(want)
         r = await c.post("/v1/completions", json={"prompt": ["the", "a"], "max_tokens": 2, "rid": "mine"})
         assert r.status_code == 200, r.text
 
@@ -357,7 +357,7 @@ def test_completions_unsupported_values_are_400s(payload: dict[str, Any], field:
 
 
 def test_completions_stream_interleaves_n_choices_of_several_prompts() -> None:
-    codec = _word_codec()
+    codec = word_codec()
     engine = FakeEngine()
     engine.step_delay = 0.002
     app, _ = make_app(engine, codec=codec)
@@ -382,7 +382,7 @@ def test_completions_stream_interleaves_n_choices_of_several_prompts() -> None:
 
 
 def test_completions_stream_include_usage_ends_with_a_usage_chunk() -> None:
-    app, _ = make_app(codec=_word_codec())
+    app, _ = make_app(codec=word_codec())
 
     async def body(c: httpx.AsyncClient) -> None:
         r = await c.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
@@ -396,7 +396,7 @@ def test_completions_stream_include_usage_ends_with_a_usage_chunk() -> None:
 
 # -- chat ---------------------------------------------------------------------------------------------------
 def test_chat_renders_the_folder_template(tmp_path: Path) -> None:
-    codec = _word_codec()
+    codec = word_codec()
     app, engine = make_app(codec=codec, model_path=chat_folder(tmp_path))
     messages = [{"role": "system", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "the cat"}]}]
     flat = [messages[0], {"role": "user", "content": "the cat"}]
@@ -429,7 +429,7 @@ def test_chat_renders_the_folder_template(tmp_path: Path) -> None:
 
 
 def test_chat_without_a_template_is_a_clear_400(tmp_path: Path) -> None:
-    app, _ = make_app(codec=_word_codec(), model_path=chat_folder(tmp_path, template=None))
+    app, _ = make_app(codec=word_codec(), model_path=chat_folder(tmp_path, template=None))
 
     async def body(c: httpx.AsyncClient) -> None:
         r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the"}]})
@@ -471,7 +471,7 @@ def test_sampling_options_reach_the_engine() -> None:
 
 def test_logprobs_on_every_route() -> None:
     N = 40
-    codec = _word_codec()
+    codec = word_codec()
     engine = FakeEngine()
     engine.step_delay = 0.01  # several rounds, so a stream has several chunks
     app, _ = make_app(engine, codec=codec)
