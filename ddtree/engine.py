@@ -48,7 +48,7 @@ POOLED_BATCHES = 4  # graphed batches generate() keeps for reuse (each holds its
 def folding_pays(target) -> bool:
     """Whether Engine folds the target's norms by default: a 16-bit target on CUDA whose few-row GEMMs take
     the skinny kernel (real width), where an AR step or a verify then runs four GEMMs a layer and no add + norm
-    kernel (H200, docs/perf.md: a 1.02B AR step 5-10% faster, 8B 1-2%). Elsewhere it changes nothing but the
+    kernel (H200, docs/perf.md "The engine at real width": a 1.02B AR step 5-8% faster, 8B 1%). Elsewhere it changes nothing but the
     rounding."""
     return (target.device.type == "cuda" and target.dtype in (torch.float16, torch.bfloat16)
             and triton_available() and layers.GEMV_MAX_ROWS > 0

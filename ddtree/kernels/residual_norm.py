@@ -2,7 +2,7 @@
 
 A decoder layer at batch 1 is two GEMVs' worth of weight reads and a dozen small elementwise launches
 around them; at real width (hidden 2048-4096) those launches cost as much as the weights take to read
-(docs/perf.md, "The engine at real width"). `add_rms_norm(x, delta, weight)` returns (x + delta,
+(docs/perf.md, "Findings that explain the code"). `add_rms_norm(x, delta, weight)` returns (x + delta,
 RMSNorm(x + delta)) in one launch instead of five (the add, the upcast, the norm, the downcast, the scale);
 `silu_mul(gate, up)` is one launch instead of two.
 

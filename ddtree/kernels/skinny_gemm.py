@@ -1,7 +1,7 @@
 """x @ W.T for a handful of rows at a real model's width, reading the weight near HBM speed.
 
 At batch 1 a decoder step is its GEMMs' weight reads, and cuBLAS's few-row kernels read bfloat16 weights at
-48-79% of the H200's copy bandwidth (docs/perf.md, "The engine at real width"): a 8-50 MB matrix read in
+48-79% of the H200's copy bandwidth (docs/perf.md, "Findings that explain the code"): a 8-50 MB matrix read in
 6-40 us leaves too few bytes in flight per SM for the HBM's latency. This kernel is built for that case:
 
 - The weight is the MMA's wide operand (A and B swapped: W[BLOCK_N, BLOCK_K] @ x.T[BLOCK_K, BLOCK_M]), so a

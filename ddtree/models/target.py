@@ -26,7 +26,7 @@ from ddtree.models.layers import FoldedNorm, GQAProjections, RMSNorm, Rotary, Sw
 
 # On the skinny route, whether each layer's norms and residual adds run inside its GEMMs (four launches a
 # layer). Off by default: on the H200 the in-GEMM norm cost more than the two add + norm launches it saves
-# (docs/perf.md, "The engine at real width").
+# (docs/perf.md, "Findings that explain the code").
 NORMS_IN_SKINNY_GEMMS = False
 
 

@@ -72,7 +72,7 @@ LAZY_FLUSH_S = 0.02  # likewise when every running request is plain: only /metri
 # ... and more than this many run. A plain answer decodes its text as its events arrive, so a frame that held
 # 20 ms of rounds left that decoding and unpickling for after the last token (~0.25 ms on 2 cores, at
 # concurrency 1); a lone request's frames every 2 ms cost it nothing, while at 4 plain requests on 2 cores
-# they slowed the rounds by ~7% (docs/perf.md, "The HTTP server")
+# they slowed the rounds by ~7% (docs/perf.md, "Findings that explain the code")
 LAZY_MIN_RUNNING = 1
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ENGINE_CPUS_ENV = "DDTREE_ENGINE_CPUS"  # CPUs the engine process runs on (taskset's list: "15", "12-15", "1,3")

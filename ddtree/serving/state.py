@@ -41,7 +41,7 @@ HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 # are never held back). One stream gets a chunk every 2 ms, 32 streams one every 16 ms. A chunk costs
 # the event loop ~50-100 us under the GIL the scheduler's rounds need, and a Python client about as
 # much: on the H200 a chunk per round per stream (32 streams, ~1 ms AR rounds) saturated both, and a
-# chunk every 0.5 ms at one stream slowed its rounds by 12% (docs/perf.md, "HTTP server").
+# chunk every 0.5 ms at one stream slowed its rounds by 12% (python -m ddtree.profiling.http_vs_engine).
 STREAM_CHUNKS_PER_S = 2000.0
 STREAM_MIN_INTERVAL_S = 0.002
 READY_LINE = "The server is fired up and ready to roll!"
