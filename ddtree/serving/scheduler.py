@@ -132,6 +132,7 @@ class Scheduler:
         self.inbox: Inbox | None = None  # set before start(): the idle thread waits on it, not on the Condition
         # run_idle's calls, each with the future its caller waits on (guarded by _cond)
         self._idle_calls: collections.deque[tuple[Callable[[], object], Future]] = collections.deque()
+        self._ended = False  # the thread has left its loop: no run_idle call will be taken
 
     # -- called from any thread ------------------------------------------------------------------
     def start(self) -> None:
@@ -225,7 +226,7 @@ class Scheduler:
         anything more is admitted (arrivals queue up meanwhile); its result, or what it raised."""
         done: Future[T] = Future()
         with self._cond:
-            if self._stop or not self.alive:
+            if self._stop or self._ended or not self.alive:
                 raise RuntimeError("the scheduler is not running")
             self._idle_calls.append((fn, done))
             self._changes += 1
@@ -241,7 +242,8 @@ class Scheduler:
         finally:
             if self.inbox is not None:
                 self.inbox.busy()  # however the loop ended, arrivals are read elsewhere again
-            with self._cond:
+            with self._cond:  # a run_idle after this sees _ended (the thread is still alive until it returns)
+                self._ended = True
                 calls, self._idle_calls = list(self._idle_calls), collections.deque()
             for _, done in calls:
                 done.set_exception(RuntimeError("the scheduler stopped"))
