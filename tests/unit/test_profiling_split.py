@@ -98,3 +98,13 @@ def test_a_bad_value_is_reported_under_the_tool_name(capsys: pytest.CaptureFixtu
     assert burst.main(["--engine", "zero", "--holds", "1-4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m ddtree.profiling.burst: error: --holds:"), err
+
+
+def test_the_package_lists_its_tools_and_the_old_bench_command_says_where_it_went() -> None:
+    listing = subprocess.run([sys.executable, "-m", "ddtree.profiling"], capture_output=True, text=True, cwd=REPO,
+                             timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    assert all(f"    {tool} " in listing.stdout for tool in TOOLS)
+    old = subprocess.run([sys.executable, "-m", "ddtree.bench"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert old.returncode == 1
+    assert "python -m ddtree.profiling.engine_bench" in old.stderr and "python -m ddtree.profiling" in old.stderr
