@@ -219,6 +219,25 @@ def test_nothing_points_at_a_document_outside_the_repository() -> None:
     assert not found, "the repository stands alone; put what the code relies on in docs/: " + "; ".join(found)
 
 
+COMMAND = re.compile(r"python -m (ddtree(?:\.[a-z_]+)+)")
+
+
+def missing_commands(root: Path) -> list[str]:
+    """`python -m ddtree.<module>` commands in the README and docs/ whose module is not in the package."""
+    found = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for module in sorted(set(COMMAND.findall(path.read_text()))):
+            file = root / Path(*module.split("."))
+            if not (file.with_suffix(".py").is_file() or (file / "__main__.py").is_file()):
+                found.append(f"{path.relative_to(root)}: python -m {module}")
+    return found
+
+
+def test_every_command_the_docs_name_is_a_module_of_the_package() -> None:
+    found = missing_commands(REPO)
+    assert not found, "the docs name modules that are not there: " + "; ".join(found)
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     fake = {
         "pkg": "",
@@ -243,3 +262,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("fine\nsee ../shared/DESIGN.md\n")
     assert outside_references(tmp_path) == ["docs/a.md:2: see ../shared/DESIGN.md"]
+    (tmp_path / "README.md").write_text("run `python -m ddtree.bench` or `python -m ddtree.pkg.tool --x`\n")
+    (tmp_path / "ddtree" / "pkg").mkdir(parents=True)
+    (tmp_path / "ddtree" / "pkg" / "tool.py").write_text("")
+    assert missing_commands(tmp_path) == ["README.md: python -m ddtree.bench"]
