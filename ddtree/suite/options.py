@@ -27,7 +27,7 @@ REPO_DIR = Path(__file__).resolve().parents[2]
 FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
 FIXTURE_DRAFTER = REPO_DIR / "fixtures" / "models" / "drafter"
 DEFAULT_GRID = "smoke"
-DEFAULT_FLOORS = "cpu-fixture"
+DEFAULT_FLOORS = {"cpu": "cpu-fixture", "cuda": "h200-fixture"}  # by device kind: a GPU run is never judged by CPU floors
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 HELP = {
@@ -40,7 +40,8 @@ HELP = {
     "draft_model_path": "DFlash drafter folder (default: fixtures/models/drafter)",
     "device": "device of the local/sglang service: cpu or cuda[:N] (default: cuda if available, else cpu)",
     "results_dir": "where cell files and summaries go (default: results/<timestamp> under the rootdir)",
-    "floors": "floors profile in fixtures/floors (default cpu-fixture) or a path to a floors YAML",
+    "floors": "floors profile in fixtures/floors or a path to a floors YAML (default: cpu-fixture with --device cpu, "
+              "h200-fixture with cuda)",
     "floor_tolerance": "fraction one cell's pace-normalised tok/s may fall below its floor, in [0, 1) (default: the "
                        "floors file's `tolerance`, else 0.15; a config's median has its own, config_tolerance)",
     "update_floors": "record this run's medians (tok/s with the pace they were measured at, acceptance, speed-up over "
@@ -253,11 +254,19 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
     if device != "cpu" and not str(device).startswith("cuda"):
         raise _usage(where, device, "cpu, cuda or cuda:N")
 
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"  # the pace probe's kind (ddtree.bench.pace)
     floors_arg, where = raw_option(config, "floors")
     try:
-        floors = load_floors(floors_arg or DEFAULT_FLOORS)
+        floors = load_floors(floors_arg or DEFAULT_FLOORS[kind])
     except ConfigError as err:
         raise pytest.UsageError(f"{where}: {err}") from err
+    floors_kind = (floors.probe or "").partition("-v")[0]
+    if floors.table and floors_kind and floors_kind != kind and not config.getoption("ddtree_update_floors"):
+        # such floors pass or fail every cell whatever the code does: a GPU is far above CPU floors
+        raise pytest.UsageError(
+            f"{where}: floors {floors.profile} were measured on {floors_kind} (probe {floors.probe}), this run is "
+            f"on {kind} (--device {device}); pass --floors {DEFAULT_FLOORS[kind]} or a floors file recorded on "
+            f"{kind} (--update-floors records one)")
     tol_value, where = raw_option(config, "floor_tolerance")
     tolerance = floors.tolerance  # the file's, which defaults to DEFAULT_TOLERANCE
     if tol_value is not None:

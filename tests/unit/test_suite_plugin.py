@@ -300,13 +300,25 @@ def test_ctrl_c_restores_and_verifies_the_default(suite_dir: pytest.Pytester, si
         (["--startup-timeout", "soon"], "ERROR: --startup-timeout: 'soon' is not valid; expected a number of seconds > 0"),
         (["--service", "url"], "ERROR: --service url needs --service-url http://HOST:PORT"),
         (["--config-grid", "nope"], "ERROR: --config-grid: config grid 'nope': no file *; known grids: *"),
+        (["--floors", "h200-fixture"], "ERROR: --floors: floors h200-fixture were measured on cuda (probe cuda-v*), "
+                                       "this run is on cpu (--device cpu); pass --floors cpu-fixture or a floors file*"),
     ],
-    ids=["repeats", "client-processes", "service", "tolerance", "startup-timeout", "url-without-url", "grid-name"],
+    ids=["repeats", "client-processes", "service", "tolerance", "startup-timeout", "url-without-url", "grid-name",
+         "floors-of-another-device-kind"],
 )
 def test_bad_option_values_are_usage_errors(suite_dir: pytest.Pytester, args: list[str], message: str) -> None:
     result = suite_dir.runpytest_subprocess(*FAKE, "--collect-only", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+def test_the_default_floors_follow_the_device_kind(suite_dir: pytest.Pytester) -> None:
+    """A GPU run judged by CPU floors would pass every cell whatever the code does."""
+    args = ["-p", "no:cacheprovider", "--service", "fake", "-m", "perf", "--collect-only", "--results-dir", "results"]
+    gpu = suite_dir.runpytest_subprocess(*args, "--device", "cuda")
+    gpu.stdout.fnmatch_lines(["ddtree results: *results; floors: h200-fixture (*h200-fixture.yaml), probe cuda-v*"])
+    cpu = suite_dir.runpytest_subprocess(*args, "--device", "cpu")
+    cpu.stdout.fnmatch_lines(["ddtree results: *results; floors: cpu-fixture (*cpu-fixture.yaml), probe cpu-v*"])
 
 
 def test_a_bad_grid_file_fails_before_anything_runs(suite_dir: pytest.Pytester) -> None:
