@@ -46,6 +46,7 @@ from typing import Any
 
 from ddtree.bench.normalise import comparable, normalised
 from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
+from ddtree.bench.verdicts import read_verdicts
 from ddtree.errors import ConfigError
 
 BASELINE_JSON = "baseline.json"
@@ -371,6 +372,7 @@ class Comparison:
     shifts: list[Shift] = field(default_factory=list)  # all cells first, then per config
     noise: float = 0.0  # one side's relative tok/s sigma used for the spreads
     pace_probe: str | None = None  # tok/s compared pace-normalised by this probe's readings (None: absolute)
+    basis: str = "pace"  # "absolute": the run's floors judge tok/s as measured, and so does the comparison
 
     @property
     def shift_regressions(self) -> list[Shift]:
@@ -400,6 +402,8 @@ class Comparison:
                 notes.append(f"{name} differs: baseline {self.baseline.get(what)}, now {self.current.get(what)}"
                              + (" (compared anyway)" if what == "gpu" else ""))
         notes.append(f"tok/s compared pace-normalised (tok/s / pace, probe {self.pace_probe})" if self.pace_probe
+                     else "tok/s compared in absolute terms (basis absolute, as the run's floors judge it)"
+                     if self.basis == "absolute"
                      else "tok/s compared in absolute terms (the two runs' cells do not all carry one probe's pace)")
         return notes
 
@@ -438,11 +442,12 @@ class Comparison:
 def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult], tolerance: float,
                   *, baseline_path: str = "", current_gates: dict[str, dict[str, Any]] | None = None,
                   baseline_gates: dict[str, dict[str, Any]] | None = None,
-                  gate_threshold: float | None = None) -> Comparison:
-    """Compare two runs' cells (and gate records) cell by cell; see the module docstring."""
+                  gate_threshold: float | None = None, basis: str = "pace") -> Comparison:
+    """Compare two runs' cells (and gate records) cell by cell; see the module docstring. `basis`
+    "absolute" compares tok/s as measured even where both runs carry one probe's pace."""
     check_tolerance(tolerance, "baseline")
-    out = Comparison(tolerance, baseline_path, run_identity(baseline), run_identity(current))
-    out.pace_probe = comparable(current, baseline)
+    out = Comparison(tolerance, baseline_path, run_identity(baseline), run_identity(current), basis=basis)
+    out.pace_probe = comparable(current, baseline) if basis == "pace" else None
     if out.pace_probe:  # the machine's pace out of the ratio: both sides in tok/s per unit of pace
         current, baseline = [normalised(c) for c in current], [normalised(c) for c in baseline]
     base = {cell_key(c): c for c in baseline}
@@ -483,8 +488,11 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
 
 
 def compare_runs(current_dir: Path, baseline_dir: Path, tolerance: float = DEFAULT_TOLERANCE,
-                 gate_threshold: float | None = None) -> Comparison:
-    """compare_cells on two results directories."""
+                 gate_threshold: float | None = None, basis: str | None = None) -> Comparison:
+    """compare_cells on two results directories; `basis` None: the one the current run's floors judged by
+    (its verdicts.json), pace where it has none."""
+    if basis is None:
+        basis = str((read_verdicts(current_dir) or {}).get("tolerances", {}).get("basis") or "pace")
     return compare_cells(read_cells(current_dir), read_cells(baseline_dir), tolerance,
                          baseline_path=str(baseline_dir), current_gates=read_quality(current_dir),
-                         baseline_gates=read_quality(baseline_dir), gate_threshold=gate_threshold)
+                         baseline_gates=read_quality(baseline_dir), gate_threshold=gate_threshold, basis=basis)

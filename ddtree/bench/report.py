@@ -312,7 +312,7 @@ def _compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tolerance = check_tolerance(args.tolerance, "--tolerance")
     except ValueError as err:
         parser.error(str(err))
-    comparison = compare_runs(new, old, tolerance, args.gate_threshold)
+    comparison = compare_runs(new, old, tolerance, args.gate_threshold, args.basis)
     out = args.out or new
     written = [out / COMPARE_MD]
     atomic_write_text(written[0], render_comparison(comparison, str(new)))
@@ -346,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where --compare and --trend write (default: NEW for --compare, ./trend for --trend)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"--compare: fraction a median may drop before it can regress (default {DEFAULT_TOLERANCE:g})")
+    parser.add_argument("--basis", choices=("pace", "absolute"), default=None,
+                        help="--compare: tok/s per unit of pace or as measured (default: what NEW's "
+                             "floors judged by, from its verdicts.json; pace without one)")
     parser.add_argument("--gate-threshold", type=float, default=None,
                         help="--compare: pass@k threshold for gate records that carry none")
     parser.add_argument("--default", dest="default_id", default=None,

@@ -60,7 +60,8 @@ def verdict_lines(record: dict[str, Any] | None) -> list[str]:
         return []
     tol = record.get("tolerances") or {}
     lines = [f"- Floors: {record.get('profile')} ({record.get('path')}), recorded with probe "
-             f"{record.get('floors_probe') or 'none'}; tolerances: a cell's pace-normalised tok/s {tol.get('throughput')}, "
+             f"{record.get('floors_probe') or 'none'}; tolerances: a cell's "
+             f"{'absolute' if tol.get('basis') == 'absolute' else 'pace-normalised'} tok/s {tol.get('throughput')}, "
              f"a config's median {tol.get('config')}, accept length {tol.get('accept')}, a config's speed-up over AR "
              f"{tol.get('speedup')}."]
     no_floor = record.get("no_floor") or []

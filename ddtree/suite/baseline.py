@@ -109,7 +109,7 @@ class BaselineCheck:
             return
         record = baseline_record(b.path, b.requested, b.tolerance)
         write_baseline_record(results, {**record, "gate_threshold": b.gate_threshold})
-        self.comparison = compare_runs(results, b.path, b.tolerance, b.gate_threshold)
+        self.comparison = compare_runs(results, b.path, b.tolerance, b.gate_threshold, self.options.floors.basis)
         if not self.comparison.ok and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # what pytest returns after sessionfinish
 

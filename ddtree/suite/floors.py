@@ -1,6 +1,7 @@
 """Floors files: per-cell throughput, acceptance and speed-up over AR, the pace they were recorded at.
 
     probe: cpu-v4                 # the pace probe that measured `pace` (ddtree.bench.pace)
+    basis: pace                   # tok/s judged per unit of pace (pace), or as measured (absolute)
     tolerance: 0.4                # one cell's pace-normalised tok/s may fall this fraction below its floor
     config_tolerance: 0.2         # the median over a config's cells of that ratio
     accept_tolerance: 0.05        # accept_length (deterministic at T = 0: tight)
@@ -31,13 +32,17 @@ FLOORS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "floors"
 DEFAULT_TOLERANCE = 0.15
 DEFAULT_ACCEPT_TOLERANCE = 0.05  # a 10% drop in acceptance must fail; T = 0 acceptance does not depend on the machine
 DEFAULT_CONFIG_TOLERANCE = 0.15  # a config's median ratio and its speed-up's, where a floors file sets none
+# What tok/s (and the speed-up over AR) is judged on: per unit of the machine's pace where the pace tracks
+# the served throughput (a shared VM), as measured where the machine is steadier than the probe (docs/results.md)
+BASES = ("pace", "absolute")
+DEFAULT_BASIS = "pace"
 FLOOR_METRICS = {  # unit, digits
     "output_throughput": ("tok/s", 1),
     "pace": ("pace", 3),  # the machine's pace when output_throughput was recorded (not judged itself)
     "accept_length": ("accepted tokens/step", 2),
     "speedup_vs_ar": ("x AR", 3),  # pace-normalised tok/s over AR's at the same context and concurrency
 }
-FILE_KEYS = ("probe", "tolerance", "config_tolerance", "accept_tolerance", "speedup_tolerance", "floors", "recorded")
+FILE_KEYS = ("probe", "basis", "tolerance", "config_tolerance", "accept_tolerance", "speedup_tolerance", "floors", "recorded")
 
 Table = dict[str, dict[str, dict[str, float]]]  # config id -> "ctx<C>-c<N>" -> metric -> value
 
@@ -52,6 +57,7 @@ class Floors:
     speedup_tolerance: float = DEFAULT_CONFIG_TOLERANCE
     config_tolerance: float = DEFAULT_CONFIG_TOLERANCE
     probe: str | None = None  # the pace probe id the floors' `pace` values come from
+    basis: str = DEFAULT_BASIS
     recorded: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -94,6 +100,9 @@ def load_floors(path_or_profile: str | Path) -> Floors:
     probe = data.get("probe")
     if probe is not None and not isinstance(probe, str):
         raise ConfigError(f"{path}: probe: {probe!r} is not a probe id such as 'cpu-v4'")
+    basis = data.get("basis", DEFAULT_BASIS)
+    if basis not in BASES:
+        raise ConfigError(f"{path}: basis: {basis!r} is not valid; expected one of {', '.join(BASES)}")
     recorded = data.get("recorded") or {}
     if not isinstance(recorded, dict):
         raise ConfigError(f"{path}: recorded must be a mapping (date, machine, command, pace)")
@@ -116,7 +125,7 @@ def load_floors(path_or_profile: str | Path) -> Floors:
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     return Floors(path=path, tolerance=float(tolerance), table=table, header=header,
                   accept_tolerance=accept_tolerance, speedup_tolerance=speedup_tolerance,
-                  config_tolerance=config_tolerance, probe=probe, recorded=recorded)
+                  config_tolerance=config_tolerance, probe=probe, basis=basis, recorded=recorded)
 
 
 def merge(table: Table, updates: Table) -> Table:
@@ -136,7 +145,7 @@ def write_floors(floors: Floors, updates: Table, recorded: dict[str, Any] | None
     table = floors.table if probe is None or floors.probe in (None, probe) else {}
     data: dict[str, Any] = {"tolerance": floors.tolerance, "config_tolerance": floors.config_tolerance,
                             "accept_tolerance": floors.accept_tolerance, "speedup_tolerance": floors.speedup_tolerance,
-                            "floors": merge(table, updates)}
+                            "basis": floors.basis, "floors": merge(table, updates)}
     if probe or floors.probe:
         data["probe"] = probe or floors.probe
     if recorded or floors.recorded:

@@ -210,7 +210,7 @@ class SuiteSession:
 
 def tolerances_text(options: SuiteOptions) -> str:
     t = Tolerances.of(options.floors, options.tolerance)
-    return (f"tolerance: a cell's pace-normalised tok/s {t.throughput:g}, a config's median {t.config:g}, accept length "
+    return (f"tolerance: a cell's {t.throughput_label} {t.throughput:g}, a config's median {t.config:g}, accept length "
             f"{t.accept:g}, a config's speed-up over AR {t.speedup:g}")
 
 

@@ -83,7 +83,7 @@ def measure_cell(cell: Cell, deployed: ServiceManager, suite: SuiteOptions,
     result.metrics.update(cell_extras(repeats, grid))
     add_pace(result.per_repeat, result.metrics, pace_record)
     if cell.config_id != AR_CONFIG_ID:
-        speedup = speedup_over_ar(result.metrics, ar_metrics(suite, cell))
+        speedup = speedup_over_ar(result.metrics, ar_metrics(suite, cell), suite.floors.basis)
         if speedup is not None:
             result.metrics["speedup_vs_ar"] = speedup
     write_cell(suite.results_dir, result)

@@ -9,6 +9,7 @@ import yaml
 
 from ddtree.bench.baseline import compare_runs
 from ddtree.bench.normalise import NORMALISED_KEY, add_pace
+from ddtree.bench.verdicts import write_verdicts
 from ddtree.errors import ConfigError
 from ddtree.suite.floors import Floors, load_floors, write_floors
 from ddtree.suite.verdict import Tolerances, floor_entry, judge_cell, judge_config, speedup_over_ar
@@ -107,6 +108,62 @@ def test_the_speedup_is_pace_normalised_when_both_sides_have_a_pace() -> None:
     assert speedup_over_ar({"output_throughput": 120.0}, None) is None
 
 
+ABSOLUTE = Tolerances(throughput=0.15, accept=0.05, speedup=0.15, config=0.15, basis="absolute")
+
+
+@pytest.mark.parametrize(("tps", "pace", "ok"), [
+    pytest.param(100.0, 0.6, True, id="the-probe-read-slow-the-machine-was-not"),
+    pytest.param(86.0, 1.4, True, id="inside-tolerance-the-probe-read-fast"),
+    pytest.param(80.0, 0.6, False, id="a-regression-the-probe-would-have-hidden"),
+    pytest.param(80.0, 1.0, False, id="a-regression"),
+])
+def test_with_basis_absolute_the_pace_is_left_out_of_tok_s(tps: float, pace: float, ok: bool) -> None:
+    """A machine steadier than its probe: the floors judge tok/s as measured, without a note per cell."""
+    verdict = judge_cell(measured(tps, pace), FLOOR, ABSOLUTE, "cuda-v2", WHERE)
+    assert not verdict.notes
+    assert verdict.failures == ([] if ok else [f"{tps:.1f} tok/s < floor 100.0 x (1-0.15) (absolute), {WHERE}"])
+
+
+def test_with_basis_absolute_a_config_is_judged_on_its_absolute_medians() -> None:
+    # the probe read 0.6 in every cell: pace-normalised, a 20% slower config looks 33% faster
+    slowed = [(f"cell{i}", measured(80.0, 0.6), FLOOR) for i in range(3)]
+    assert judge_config(slowed, TOL, "cpu-v1", "b8").ok
+    verdict = judge_config(slowed, ABSOLUTE, "cpu-v1", "b8")
+    assert verdict.failures == ["b8: median absolute tok/s / floor 0.80 over 3 cells < 1 - 0.15 "
+                                "(cell0 0.80, cell1 0.80, cell2 0.80)"]
+
+
+def test_with_basis_absolute_the_speedup_is_raw() -> None:
+    ar = {"output_throughput": 100.0, NORMALISED_KEY: 200.0}
+    assert speedup_over_ar({"output_throughput": 120.0, NORMALISED_KEY: 120.0}, ar, "absolute") == pytest.approx(1.2)
+
+
+def test_the_basis_is_read_checked_and_kept_when_recording(tmp_path: Path) -> None:
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump({"probe": "cuda-v2", "basis": "absolute", "floors": {}}))
+    floors = load_floors(path)
+    assert floors.basis == "absolute" and Tolerances.of(floors).basis == "absolute"
+    write_floors(floors, {"ar": {"ctx60-c1": {"output_throughput": 10.0, "pace": 0.5}}}, probe="cuda-v2")
+    assert load_floors(path).basis == "absolute"
+    path.write_text(yaml.safe_dump({"basis": "raw"}))
+    with pytest.raises(ConfigError, match="basis: 'raw' is not valid; expected one of pace, absolute"):
+        load_floors(path)
+    path.write_text(yaml.safe_dump({"floors": {}}))
+    assert load_floors(path).basis == "pace"
+
+
+def test_a_baseline_comparison_follows_the_basis(tmp_path: Path) -> None:
+    base = write_run(tmp_path / "base", [paced_cell(c, [99.0, 101.0], [1.0, 1.0]) for c in CONFIG_IDS])
+    # the same tok/s, the probe reading 40% slow: pace-normalised that is a 40% gain, absolute no change
+    same = write_run(tmp_path / "same", [paced_cell(c, [99.0, 101.0], [0.6, 0.6]) for c in CONFIG_IDS])
+    assert compare_runs(same, base).improved
+    absolute = compare_runs(same, base, basis="absolute")
+    assert absolute.ok and not absolute.improved and absolute.pace_probe is None
+    assert "tok/s compared in absolute terms (basis absolute, as the run's floors judge it)" in absolute.differences()
+    write_verdicts(same, {"tolerances": {"basis": "absolute"}})  # what the run's floors judged by
+    assert not compare_runs(same, base).improved
+
+
 def test_a_recorded_floor_holds_every_measured_floor_metric() -> None:
     entry = floor_entry({**measured(123.456, 0.98765, accept=1.777, speedup=0.66666), "median_tpot_ms": 5.0})
     assert entry == {"output_throughput": 123.46, "pace": 0.9877, "accept_length": 1.777, "speedup_vs_ar": 0.6667}
@@ -128,6 +185,7 @@ def test_tolerances_come_from_the_file_and_the_command_line(tmp_path: Path) -> N
     pytest.param({"speedup_tolerance": -0.1}, "speedup_tolerance: -0.1 is not a fraction in [0, 1)", id="speedup"),
     pytest.param({"config_tolerance": 1}, "config_tolerance: 1 is not a fraction in [0, 1)", id="config"),
     pytest.param({"probe": 3}, "probe: 3 is not a probe id", id="probe"),
+    pytest.param({"basis": "tps"}, "basis: 'tps' is not valid; expected one of pace, absolute", id="basis"),
     pytest.param({"floors": {"ar": {"ctx60-c1": {"pase": 1.0}}}}, "unknown metric 'pase'", id="metric"),
     pytest.param({"tolerence": 0.1}, "unknown key(s) ['tolerence']", id="key"),
 ])
