@@ -107,7 +107,11 @@ def _judge_throughput(measured: Mapping[str, Any], floor: Mapping[str, float], t
         if why_absolute:
             verdict.notes.append(f"tok/s judged in absolute terms: {why_absolute}")
         if tps < floor_tps * (1.0 - tolerance):
-            verdict.failures.append(f"{tps:.1f} tok/s < floor {floor_tps:.1f} x (1-{tolerance:g}) (absolute), {where}")
+            # with basis absolute the paces still tell a slower host from a slower engine: say them
+            paces = (f"; pace {float(pace):.3f} here, {float(floor_pace):.3f} at the floor"
+                     if tolerances.basis == "absolute" and pace and floor_pace else "")
+            verdict.failures.append(f"{tps:.1f} tok/s < floor {floor_tps:.1f} x (1-{tolerance:g}) (absolute{paces}), "
+                                    f"{where}")
         return
     expected = floor_tps / float(floor_pace)  # tok/s per unit of pace when the floor was recorded
     if normalised < expected * (1.0 - tolerance):

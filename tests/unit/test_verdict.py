@@ -121,7 +121,8 @@ def test_with_basis_absolute_the_pace_is_left_out_of_tok_s(tps: float, pace: flo
     """A machine steadier than its probe: the floors judge tok/s as measured, without a note per cell."""
     verdict = judge_cell(measured(tps, pace), FLOOR, ABSOLUTE, "cuda-v2", WHERE)
     assert not verdict.notes
-    assert verdict.failures == ([] if ok else [f"{tps:.1f} tok/s < floor 100.0 x (1-0.15) (absolute), {WHERE}"])
+    assert verdict.failures == ([] if ok else [f"{tps:.1f} tok/s < floor 100.0 x (1-0.15) (absolute; pace {pace:.3f} "
+                                               f"here, 1.000 at the floor), {WHERE}"])
 
 
 def test_with_basis_absolute_a_config_is_judged_on_its_absolute_medians() -> None:
