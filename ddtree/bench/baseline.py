@@ -44,6 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.cell_keys import Key, cell_key, key_order, key_text
 from ddtree.bench.normalise import comparable, normalised
 from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
 from ddtree.bench.verdicts import read_verdicts
@@ -64,17 +65,6 @@ MIN_SHIFT_CELLS = 3  # a group's median moves only when most of its cells do: on
 
 # (metric key, label, digits, widened by the machine's noise): judged, higher is better.
 JUDGED = (("output_throughput", "output tok/s", 1, True), ("accept_length", "accept length", 2, False))
-Key = tuple[str, int, int]  # (config id, context, concurrency)
-
-
-def cell_key(cell: CellResult) -> Key:
-    return (cell.config_id, cell.context, cell.concurrency)
-
-
-def key_text(key: Key) -> str:
-    return f"{key[0]} @ ctx{key[1]} c{key[2]}"
-
-
 def check_tolerance(value: Any, where: str) -> float:
     """A tolerance as a float: a number in [0, 1); ConfigError naming `where` (the flag, key or file) otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
@@ -456,7 +446,7 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
     noise = {m: max(run_noise(baseline, m), scatter_noise(pairs, m)) if widen else 0.0
              for m, _, _, widen in JUDGED}
     out.noise = noise["output_throughput"]
-    for key in sorted(cur, key=lambda k: (k[1], k[2], k[0])):
+    for key in sorted(cur, key=key_order):
         if key not in base:
             out.only_current.append(key)
             continue
@@ -477,7 +467,7 @@ def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult],
     if len(ratios) > 1:
         out.shifts += [shift_of(config_id, rs, out.noise, tolerance) for config_id, rs in sorted(ratios.items())
                        if len(rs) >= MIN_SHIFT_CELLS]
-    out.only_baseline = sorted((k for k in base if k not in cur), key=lambda k: (k[1], k[2], k[0]))
+    out.only_baseline = sorted((k for k in base if k not in cur), key=key_order)
     cur_g, base_g = current_gates or {}, baseline_gates or {}
     for config_id in sorted(set(cur_g) | set(base_g)):
         now_r, before_r = cur_g.get(config_id, {}), base_g.get(config_id, {})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddtree.bench.baseline import NOISE_SIGMAS, CellDelta, Comparison
+from ddtree.bench.cell_keys import key_order
 
 
 def render_header(comparison: Comparison, record: dict[str, Any] | None = None) -> list[str]:
@@ -29,11 +30,12 @@ def render_header(comparison: Comparison, record: dict[str, Any] | None = None) 
 def render_comparison(comparison: Comparison, current_dir: str) -> str:
     """vs_baseline.md: the header, then a table per (context, concurrency) of both sides."""
     lines = [f"# {current_dir} vs baseline", "", *render_header(comparison)]
-    groups: dict[tuple[int, int], list[CellDelta]] = {}
+    groups: dict[tuple[int, float, int], list[CellDelta]] = {}
     for delta in comparison.cells.values():
-        groups.setdefault((delta.key[1], delta.key[2]), []).append(delta)
-    for (context, concurrency), deltas in sorted(groups.items()):
-        lines += [f"## context {context}, concurrency {concurrency}", "",
+        groups.setdefault(key_order(delta.key)[:3], []).append(delta)
+    for (context, rate, concurrency), deltas in sorted(groups.items()):
+        load = f"{rate:g} requests/s" if rate else f"concurrency {concurrency}"
+        lines += [f"## context {context}, {load}", "",
                   "| config | tok/s now [spread] | tok/s baseline [spread] | ratio | accept now | accept baseline "
                   "| verdict |", "|---|---|---|---|---|---|---|"]
         for d in sorted(deltas, key=lambda d: d.key[0]):

@@ -32,12 +32,12 @@ from ddtree.bench.baseline import (
     COMPARE_MD,
     DEFAULT_TOLERANCE,
     Comparison,
-    cell_key,
     check_tolerance,
     compare_runs,
     is_results_dir,
     read_baseline_record,
 )
+from ddtree.bench.cell_keys import cell_key
 from ddtree.bench.comparison_md import render_comparison, render_header
 from ddtree.bench.deploys import deploy_table, read_deploys
 from ddtree.bench.pareto import pareto_lines

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 from ddtree.bench.arrivals import load_label
 from ddtree.bench.baseline import Comparison, run_identity, run_time
+from ddtree.bench.cell_keys import key_load, key_order
 from ddtree.bench.results import CellResult, atomic_write_text, read_cells
 
 TREND_MD = "trend.md"
@@ -144,14 +145,14 @@ def write_trend(dirs: Sequence[Path], out: Path) -> list[Path]:
 
 def plot_comparison(comparison: Comparison, path: Path) -> Path:
     """Bars of now / baseline tok/s per cell, the tolerance band shaded, regressions in red."""
-    deltas = sorted(comparison.cells.values(), key=lambda d: (d.key[1], d.key[2], d.key[0]))
+    deltas = sorted(comparison.cells.values(), key=lambda d: key_order(d.key))
     rows = [(d, d.of("output_throughput")) for d in deltas]
     rows = [(d, m) for d, m in rows if m is not None]
     fig = Figure(figsize=(9, max(3.0, 0.3 * len(rows) + 1.5)), layout="constrained")
     ax = fig.subplots()
     colors = {"regressed": "tab:red", "improved": "tab:green", "same": "tab:gray"}
     ax.barh(range(len(rows)), [m.ratio for _, m in rows], color=[colors[d.verdict] for d, _ in rows])
-    ax.set_yticks(range(len(rows)), [f"{d.key[0]} ctx{d.key[1]} c{d.key[2]}" for d, _ in rows], fontsize=7)
+    ax.set_yticks(range(len(rows)), [f"{d.key[0]} ctx{d.key[1]} {key_load(d.key)}" for d, _ in rows], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
     ax.axvspan(1 - comparison.tolerance, 1 + comparison.tolerance, color="tab:blue", alpha=0.1,

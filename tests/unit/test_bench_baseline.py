@@ -19,6 +19,7 @@ from ddtree.bench.baseline import (
     run_noise,
     write_baseline_record,
 )
+from ddtree.bench.comparison_md import render_comparison
 from ddtree.bench.metrics import summarize_cell
 from ddtree.bench.report import write_sweep_summary
 from ddtree.bench.results import CellResult, write_cell
@@ -63,7 +64,7 @@ def test_a_20_percent_drop_beyond_noise_regresses_and_says_why(tmp_path: Path) -
     now[0] = make_cell(DEFAULT, 60, 1, [79.2, 80.8], [2.0, 2.2])  # 100 -> 80 tok/s, repeats +-1%
     comparison = compare_runs(write_run(tmp_path / "now", now), base)
     assert not comparison.ok
-    assert [d.key for d in comparison.regressed] == [(DEFAULT, 60, 1)]
+    assert [d.key for d in comparison.regressed] == [(DEFAULT, 60, 1, 0.0)]
     (failure,) = comparison.failures()
     # measured, baseline, ratio, tolerance and both spreads
     assert "b8-k4-w2048-bs8 @ ctx60 c1: regressed: output tok/s 80.0 [" in failure
@@ -80,7 +81,7 @@ def test_the_same_drop_inside_the_noise_passes(tmp_path: Path) -> None:
     now = list(noisy)
     now[0] = make_cell(DEFAULT, 60, 1, [64.0, 96.0], [2.0, 2.2])  # median 80: the same 20% drop
     comparison = compare_runs(write_run(tmp_path / "now", now), base)
-    delta = comparison.cells[(DEFAULT, 60, 1)].of("output_throughput")
+    delta = comparison.cells[(DEFAULT, 60, 1, 0.0)].of("output_throughput")
     assert delta is not None and delta.ratio == pytest.approx(0.8) and delta.overlap
     assert comparison.ok and comparison.regressed == []
 
@@ -96,7 +97,7 @@ def test_tight_repeats_in_a_noisy_run_are_widened_to_the_run_s_noise(tmp_path: P
     now = list(noisy)
     now[0] = make_cell(DEFAULT, 60, 1, [79.5, 80.5], [2.0, 2.2])
     comparison = compare_runs(write_run(tmp_path / "now", now), base)
-    delta = comparison.cells[(DEFAULT, 60, 1)].of("output_throughput")
+    delta = comparison.cells[(DEFAULT, 60, 1, 0.0)].of("output_throughput")
     assert delta is not None and delta.overlap and comparison.ok
     assert delta.baseline.lo == pytest.approx(100.0 / math.exp(NOISE_SIGMAS * noise))
     assert "widened to the pair's noise" in delta.text()
@@ -108,7 +109,7 @@ def test_an_improvement_passes_and_is_reported(tmp_path: Path) -> None:
     now[3] = make_cell("b4-k4-w2048-bs8", 60, 4, [1030.0, 1050.0], [2.0, 2.2])  # 800 -> 1040
     comparison = compare_runs(write_run(tmp_path / "now", now), base)
     assert comparison.ok
-    assert [d.key for d in comparison.improved] == [("b4-k4-w2048-bs8", 60, 4)]
+    assert [d.key for d in comparison.improved] == [("b4-k4-w2048-bs8", 60, 4, 0.0)]
     assert [line for line in comparison.moved() if line.startswith("improved")] == [
         "improved " + comparison.improved[0].text("improved")]
     assert "ratio 1.30" in comparison.moved()[0]
@@ -124,12 +125,30 @@ def test_an_acceptance_drop_regresses_whatever_the_speed(tmp_path: Path) -> None
     assert "output tok/s" not in failure  # only the metric that moved is named
 
 
+def rate_cell(config_id: str, rate: float, tps: list[float]) -> CellResult:
+    cell = make_cell(config_id, 60, 0, tps)
+    cell.request_rate = rate  # an open-loop cell: concurrency 0, its load is the rate
+    return cell
+
+
+def test_rate_cells_are_compared_each_with_its_own_rate(tmp_path: Path) -> None:
+    """Two rate cells of one config and context differ only in their rate: each meets its own baseline."""
+    base = write_run(tmp_path / "base", [rate_cell(DEFAULT, 2.0, [100.0, 101.0]), rate_cell(DEFAULT, 8.0, [300.0, 301.0])])
+    now = write_run(tmp_path / "now", [rate_cell(DEFAULT, 2.0, [100.0, 101.0]), rate_cell(DEFAULT, 8.0, [150.0, 151.0])])
+    comparison = compare_runs(now, base)
+    assert sorted(comparison.cells) == [(DEFAULT, 60, 0, 2.0), (DEFAULT, 60, 0, 8.0)]
+    assert [d.key for d in comparison.regressed] == [(DEFAULT, 60, 0, 8.0)]
+    assert any(line.startswith(f"REGRESSED {DEFAULT} @ ctx60 r8") for line in comparison.moved())
+    text = render_comparison(comparison, "now")
+    assert "## context 60, 2 requests/s" in text and "## context 60, 8 requests/s" in text
+
+
 def test_missing_cells_are_listed_on_both_sides(tmp_path: Path) -> None:
     base_cells = quiet_run()
     now_cells = [c for c in quiet_run() if c.config_id != "ar"] + [make_cell(DEFAULT, 512, 1, [50.0, 51.0])]
     comparison = compare_runs(write_run(tmp_path / "now", now_cells), write_run(tmp_path / "base", base_cells))
-    assert comparison.only_baseline == [("ar", 60, 1), ("ar", 60, 4)]
-    assert comparison.only_current == [(DEFAULT, 512, 1)]
+    assert comparison.only_baseline == [("ar", 60, 1, 0.0), ("ar", 60, 4, 0.0)]
+    assert comparison.only_current == [(DEFAULT, 512, 1, 0.0)]
     moved = comparison.moved()
     assert "missing now (2): ar @ ctx60 c1, ar @ ctx60 c4" in moved
     assert "new, no baseline (1): b8-k4-w2048-bs8 @ ctx512 c1" in moved
@@ -250,7 +269,7 @@ def test_cells_scattered_both_ways_widen_the_spreads_and_pass(tmp_path: Path) ->
     # the same cells with quiet neighbours (no scatter) do regress
     quiet = [0.6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     alone = compare_runs(write_run(tmp_path / "alone", noisy_run(quiet, spread=0.02)), base)
-    assert [d.key for d in alone.regressed] == [(DEFAULT, 60, 1)]
+    assert [d.key for d in alone.regressed] == [(DEFAULT, 60, 1, 0.0)]
 
 
 def test_a_thousandfold_drop_regresses_each_cell_even_in_a_run_as_noisy_as_a_loaded_machine(tmp_path: Path) -> None:
