@@ -68,6 +68,9 @@ class Floors:
         return self.table.get(config_id, {}).get(key)
 
 
+NO_FLOORS = "none"  # `--floors none`: no floors file; every cell is listed as having no floor
+
+
 def resolve_floors_path(path_or_profile: str | Path) -> Path:
     text = str(path_or_profile)
     if "/" in text or text.endswith((".yaml", ".yml")):
@@ -76,7 +79,9 @@ def resolve_floors_path(path_or_profile: str | Path) -> Path:
 
 
 def load_floors(path_or_profile: str | Path) -> Floors:
-    """Read a floors file; a profile whose file does not exist yet is an empty table."""
+    """Read a floors file; a profile whose file does not exist yet is an empty table, and so is `none`."""
+    if str(path_or_profile) == NO_FLOORS:
+        return Floors(path=Path(NO_FLOORS))
     path = resolve_floors_path(path_or_profile)
     if not path.is_file():
         if path.parent == FLOORS_DIR:  # a new profile: recording creates it

@@ -21,7 +21,7 @@ from ddtree.errors import ConfigError
 from ddtree.grid import Grid, load_grid, with_repeats
 from ddtree.service.dialects import Dialect, default_dialect, load_dialect
 from ddtree.service.factory import BACKENDS
-from ddtree.suite.floors import Floors, load_floors
+from ddtree.suite.floors import NO_FLOORS, Floors, load_floors
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 FIXTURE_TARGET = REPO_DIR / "fixtures" / "models" / "target"
@@ -40,8 +40,8 @@ HELP = {
     "draft_model_path": "DFlash drafter folder (default: fixtures/models/drafter)",
     "device": "device of the local/sglang service: cpu or cuda[:N] (default: cuda if available, else cpu)",
     "results_dir": "where cell files and summaries go (default: results/<timestamp> under the rootdir)",
-    "floors": "floors profile in fixtures/floors or a path to a floors YAML (default: cpu-fixture with --device cpu, "
-              "h200-fixture with cuda)",
+    "floors": "floors profile in fixtures/floors, a path to a floors YAML, or none (default: the fixture pair's on "
+              "the local or fake service, cpu-fixture with --device cpu, h200-fixture with cuda; else none)",
     "floor_tolerance": "fraction one cell's pace-normalised tok/s may fall below its floor, in [0, 1) (default: the "
                        "floors file's `tolerance`, else 0.15; a config's median has its own, config_tolerance)",
     "update_floors": "record this run's medians (tok/s with the pace they were measured at, acceptance, speed-up over "
@@ -255,11 +255,17 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         raise _usage(where, device, "cpu, cuda or cuda:N")
 
     kind = "cuda" if str(device).startswith("cuda") else "cpu"  # the pace probe's kind (ddtree.bench.pace)
+    model_raw, _ = raw_option(config, "model_path")
     floors_arg, where = raw_option(config, "floors")
+    # the fixture profiles hold the fixture pair's numbers on our server: another model or server has none yet
+    fixture_pair = service in ("local", "fake") and not model_raw
     try:
-        floors = load_floors(floors_arg or DEFAULT_FLOORS[kind])
+        floors = load_floors(floors_arg or (DEFAULT_FLOORS[kind] if fixture_pair else NO_FLOORS))
     except ConfigError as err:
         raise pytest.UsageError(f"{where}: {err}") from err
+    if config.getoption("ddtree_update_floors") and str(floors.path) == NO_FLOORS:
+        raise pytest.UsageError(f"--update-floors needs --floors PROFILE|PATH to record into (the default for "
+                                f"--service {service}{' with --model-path' if model_raw else ''} is none)")
     floors_kind = (floors.probe or "").partition("-v")[0]
     if floors.table and floors_kind and floors_kind != kind and not config.getoption("ddtree_update_floors"):
         # such floors pass or fail every cell whatever the code does: a GPU is far above CPU floors
@@ -282,7 +288,6 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         if not results_dir.is_absolute():
             results_dir = config.rootpath / results_dir
 
-    model_raw, _ = raw_option(config, "model_path")
     draft_raw, _ = raw_option(config, "draft_model_path")
     model_path = Path(model_raw) if model_raw else FIXTURE_TARGET
     hosts_raw, where = raw_option(config, "service_hosts")

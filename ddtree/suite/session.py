@@ -24,7 +24,7 @@ from ddtree.bench.results import read_quality, write_summary_csv
 from ddtree.bench.verdicts import pace_lines, write_verdicts
 from ddtree.service.manager import ServiceDied
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, parametrize, sort_items
-from ddtree.suite.floors import write_floors
+from ddtree.suite.floors import NO_FLOORS, write_floors
 from ddtree.suite.options import SuiteOptions
 from ddtree.suite.state import SuiteState
 from ddtree.suite.verdict import Tolerances
@@ -67,7 +67,7 @@ class SuiteSession:
             f"{len(e.removed)} removed as impossible; repeats {o.repeats}",
             f"ddtree service: {o.service}; device: {o.device}; model: {o.model_path}; drafter: {o.draft_model_path}; "
             f"dialect: {o.dialect.name}; tokens: {o.tokenize}; start retries: {o.start_retries}",
-            f"ddtree results: {o.results_dir}; floors: {o.floors.profile} ({o.floors.path}), probe "
+            f"ddtree results: {o.results_dir}; floors: {floors_text(o)}, probe "
             f"{o.floors.probe or 'none'}; {tolerances_text(o)}{'; recording floors' if o.update_floors else ''}"
             f"{'; cells without a floor fail' if o.require_floors else ''}",
         ]
@@ -206,6 +206,13 @@ class SuiteSession:
             tr.write_line(f"coding gate: model-written programs ran with best-effort isolation, not in namespaces "
                           f"(--unsafe-exec): {', '.join(unsafe)}", red=True)
         tr.write_line(f"results: {options.results_dir}")
+
+
+def floors_text(options: SuiteOptions) -> str:
+    floors = options.floors
+    if str(floors.path) == NO_FLOORS:
+        return "none (no floors file: cells are listed without a floor; --floors NAME --update-floors records one)"
+    return f"{floors.profile} ({floors.path})"
 
 
 def tolerances_text(options: SuiteOptions) -> str:

@@ -321,6 +321,22 @@ def test_the_default_floors_follow_the_device_kind(suite_dir: pytest.Pytester) -
     cpu.stdout.fnmatch_lines(["ddtree results: *results; floors: cpu-fixture (*cpu-fixture.yaml), probe cpu-v*"])
 
 
+def test_another_model_or_server_has_no_default_floors(suite_dir: pytest.Pytester) -> None:
+    """The fixture profiles hold the fixture pair's numbers on this server; judged by them, a real model on
+    its own server would fail (or pass) every cell for nothing."""
+    args = ["-p", "no:cacheprovider", "-m", "perf", "--collect-only", "--results-dir", "results", "--device", "cpu"]
+    none = "ddtree results: *results; floors: none (no floors file: cells are listed without a floor;*"
+    url = suite_dir.runpytest_subprocess(*args, "--service", "url", "--service-url", "http://127.0.0.1:9")
+    url.stdout.fnmatch_lines([none])
+    other_model = suite_dir.runpytest_subprocess(*args, "--service", "fake", "--model-path", str(suite_dir.path))
+    other_model.stdout.fnmatch_lines([none])
+    record = suite_dir.runpytest_subprocess(*args, "--service", "url", "--service-url", "http://127.0.0.1:9",
+                                            "--update-floors")
+    assert record.ret == pytest.ExitCode.USAGE_ERROR
+    record.stderr.fnmatch_lines(["ERROR: --update-floors needs --floors PROFILE|PATH to record into (the default for "
+                                 "--service url is none)"])
+
+
 def test_a_bad_grid_file_fails_before_anything_runs(suite_dir: pytest.Pytester) -> None:
     write_grid(suite_dir, {**GRID, "configs": [{"budget": 0}]}, name="bad.yaml")
     result = suite_dir.runpytest_subprocess(*FAKE, "-m", "perf", "--config-grid", "bad.yaml")
