@@ -164,30 +164,37 @@ def private_reach_ins(modules: Mapping[str, str]) -> list[str]:
     return found
 
 
-# Pointers at documents a clone does not have: design and style notes kept in a folder beside the checkout.
-# The folder's name is built from parts so that this file does not match its own check.
-_BESIDE = "sha" + "red"
-OUTSIDE_DOCS = re.compile(rf"DESIGN\.md|STYLE\.md|\.\./{_BESIDE}\b|\b{_BESIDE}/references")
+# The repository stands alone (docs/architecture.md, "The house rules"): a document it names is in it, and
+# no relative path climbs out of it. Generic rules, so this file names no outside document itself.
+DOC_NAME = re.compile(r"\b[A-Z][A-Z0-9_]+\.md\b")  # a document by its conventional name (README.md)
+CLIMB = re.compile(r"(?:\.\./)+[\w.-]+")  # ../x, ../../y/z
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".ini", ".sh", ""}
+SKIP_PARTS = {".git", ".venv", "results", "__pycache__", ".whl", ".dev", "node_modules"}
+
+
+def text_files(root: Path) -> list[Path]:
+    """The repository's text files, without virtual environments, results and caches."""
+    return [path for path in sorted(root.rglob("*"))
+            if path.is_file() and path.suffix in TEXT_SUFFIXES
+            and not any(part in SKIP_PARTS or part.endswith(".egg-info") for part in path.relative_to(root).parts)]
 
 
 def outside_references(root: Path) -> list[str]:
-    """Lines in the repository's tracked-looking text files that point at documents outside it."""
+    """Lines that name a document the repository does not hold, or a relative path that leaves it."""
+    files = text_files(root)
+    names = {path.name for path in root.rglob("*.md")}
     found = []
-    skip = {".git", ".venv", "results", "__pycache__", ".whl", ".dev", "node_modules"}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in skip or part.endswith(".egg-info") for part in rel.parts) or not path.is_file():
-            continue
-        if path.suffix not in TEXT_SUFFIXES or path == Path(__file__).resolve():
-            continue
+    for path in files:
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):
             continue
         for number, line in enumerate(text.splitlines(), 1):
-            if OUTSIDE_DOCS.search(line):
-                found.append(f"{rel}:{number}: {line.strip()[:100]}")
+            missing = [name for name in DOC_NAME.findall(line) if name not in names]
+            leaving = [climb for climb in CLIMB.findall(line)
+                       if not (path.parent / climb).resolve().is_relative_to(root.resolve())]
+            if missing or leaving:
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()[:100]}")
     return found
 
 
@@ -263,9 +270,10 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
                                                   ["pkg.e:5", "uses", "_own"]]
     assert oversized(fake) == ["pkg.big: 501 lines"]
     (tmp_path / "docs").mkdir()
-    pointer = f"see ../{_BESIDE}/DES" + "IGN.md"
-    (tmp_path / "docs" / "a.md").write_text(f"fine\n{pointer}\n")
-    assert outside_references(tmp_path) == [f"docs/a.md:2: {pointer}"]
+    absent, climb = "see NOTES" + ".md", "see ..//../notes/x".replace("//", "/")  # built so this file passes its own check
+    (tmp_path / "docs" / "a.md").write_text(f"see README.md and ../README.md\n{absent}\n{climb}\n")
+    (tmp_path / "README.md").write_text("")
+    assert outside_references(tmp_path) == [f"docs/a.md:2: {absent}", f"docs/a.md:3: {climb}"]
     (tmp_path / "README.md").write_text("run `python -m ddtree.bench` or `python -m ddtree.pkg.tool --x`\n")
     (tmp_path / "ddtree" / "pkg").mkdir(parents=True)
     (tmp_path / "ddtree" / "pkg" / "tool.py").write_text("")
