@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.bench.cell_keys import Key, cell_key, key_order, key_text
-from ddtree.bench.normalise import comparable, normalised
+from ddtree.bench.normalise import DEFAULT_BASIS, comparable, normalised
 from ddtree.bench.results import CELLS_DIR, CellResult, atomic_write_text, now_iso, read_cells, read_quality
 from ddtree.bench.verdicts import read_verdicts
 from ddtree.errors import ConfigError
@@ -362,7 +362,7 @@ class Comparison:
     shifts: list[Shift] = field(default_factory=list)  # all cells first, then per config
     noise: float = 0.0  # one side's relative tok/s sigma used for the spreads
     pace_probe: str | None = None  # tok/s compared pace-normalised by this probe's readings (None: absolute)
-    basis: str = "pace"  # "absolute": the run's floors judge tok/s as measured, and so does the comparison
+    basis: str = DEFAULT_BASIS  # "absolute": the run's floors judge tok/s as measured, and so does the comparison
 
     @property
     def shift_regressions(self) -> list[Shift]:
@@ -432,7 +432,7 @@ class Comparison:
 def compare_cells(current: Sequence[CellResult], baseline: Sequence[CellResult], tolerance: float,
                   *, baseline_path: str = "", current_gates: dict[str, dict[str, Any]] | None = None,
                   baseline_gates: dict[str, dict[str, Any]] | None = None,
-                  gate_threshold: float | None = None, basis: str = "pace") -> Comparison:
+                  gate_threshold: float | None = None, basis: str = DEFAULT_BASIS) -> Comparison:
     """Compare two runs' cells (and gate records) cell by cell; see the module docstring. `basis`
     "absolute" compares tok/s as measured even where both runs carry one probe's pace."""
     check_tolerance(tolerance, "baseline")
@@ -482,7 +482,7 @@ def compare_runs(current_dir: Path, baseline_dir: Path, tolerance: float = DEFAU
     """compare_cells on two results directories; `basis` None: the one the current run's floors judged by
     (its verdicts.json), pace where it has none."""
     if basis is None:
-        basis = str((read_verdicts(current_dir) or {}).get("tolerances", {}).get("basis") or "pace")
+        basis = str((read_verdicts(current_dir) or {}).get("tolerances", {}).get("basis") or DEFAULT_BASIS)
     return compare_cells(read_cells(current_dir), read_cells(baseline_dir), tolerance,
                          baseline_path=str(baseline_dir), current_gates=read_quality(current_dir),
                          baseline_gates=read_quality(baseline_dir), gate_threshold=gate_threshold, basis=basis)

@@ -16,6 +16,14 @@ from ddtree.bench.metrics import mad, median
 from ddtree.bench.results import CellResult
 
 NORMALISED_KEY = "pace_normalized_throughput"
+# What tok/s (and the speed-up over AR) is judged on: per unit of the machine's pace where the pace tracks the
+# served throughput (a shared VM), as measured where the machine is steadier than the probe (docs/results.md)
+BASES = ("pace", "absolute")
+DEFAULT_BASIS = "pace"
+
+
+def throughput_label(basis: str) -> str:
+    return "pace-normalised tok/s" if basis == "pace" else "absolute tok/s"
 
 
 def add_pace(per_repeat: list[dict[str, Any]], metrics: dict[str, Any], pace: dict[str, Any] | None) -> None:

@@ -40,6 +40,7 @@ from ddtree.bench.baseline import (
 from ddtree.bench.cell_keys import cell_key
 from ddtree.bench.comparison_md import render_comparison, render_header
 from ddtree.bench.deploys import deploy_table, read_deploys
+from ddtree.bench.normalise import BASES
 from ddtree.bench.pareto import pareto_lines
 from ddtree.bench.results import (
     CellResult,
@@ -346,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where --compare and --trend write (default: NEW for --compare, ./trend for --trend)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"--compare: fraction a median may drop before it can regress (default {DEFAULT_TOLERANCE:g})")
-    parser.add_argument("--basis", choices=("pace", "absolute"), default=None,
+    parser.add_argument("--basis", choices=BASES, default=None,
                         help="--compare: tok/s per unit of pace or as measured (default: what NEW's "
                              "floors judged by, from its verdicts.json; pace without one)")
     parser.add_argument("--gate-threshold", type=float, default=None,

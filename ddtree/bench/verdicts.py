@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddtree.bench.normalise import DEFAULT_BASIS, throughput_label
 from ddtree.bench.results import CellResult, read_json_object, read_pace_logs, write_json_object
 
 VERDICTS_JSON = "verdicts.json"
@@ -61,7 +62,7 @@ def verdict_lines(record: dict[str, Any] | None) -> list[str]:
     tol = record.get("tolerances") or {}
     lines = [f"- Floors: {record.get('profile')} ({record.get('path')}), recorded with probe "
              f"{record.get('floors_probe') or 'none'}; tolerances: a cell's "
-             f"{'absolute' if tol.get('basis') == 'absolute' else 'pace-normalised'} tok/s {tol.get('throughput')}, "
+             f"{throughput_label(tol.get('basis') or DEFAULT_BASIS)} {tol.get('throughput')}, "
              f"a config's median {tol.get('config')}, accept length {tol.get('accept')}, a config's speed-up over AR "
              f"{tol.get('speedup')}."]
     no_floor = record.get("no_floor") or []

@@ -26,16 +26,13 @@ from typing import Any
 import yaml
 
 from ddtree.bench.baseline import check_tolerance
+from ddtree.bench.normalise import BASES, DEFAULT_BASIS
 from ddtree.errors import ConfigError
 
 FLOORS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "floors"
 DEFAULT_TOLERANCE = 0.15
 DEFAULT_ACCEPT_TOLERANCE = 0.05  # a 10% drop in acceptance must fail; T = 0 acceptance does not depend on the machine
 DEFAULT_CONFIG_TOLERANCE = 0.15  # a config's median ratio and its speed-up's, where a floors file sets none
-# What tok/s (and the speed-up over AR) is judged on: per unit of the machine's pace where the pace tracks
-# the served throughput (a shared VM), as measured where the machine is steadier than the probe (docs/results.md)
-BASES = ("pace", "absolute")
-DEFAULT_BASIS = "pace"
 FLOOR_METRICS = {  # unit, digits
     "output_throughput": ("tok/s", 1),
     "pace": ("pace", 3),  # the machine's pace when output_throughput was recorded (not judged itself)
@@ -59,6 +56,11 @@ class Floors:
     probe: str | None = None  # the pace probe id the floors' `pace` values come from
     basis: str = DEFAULT_BASIS
     recorded: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def none(self) -> bool:
+        """`--floors none`: no file behind it."""
+        return str(self.path) == NO_FLOORS
 
     @property
     def profile(self) -> str:

@@ -263,7 +263,7 @@ def parse_options(config: pytest.Config, results_dir: Path | None = None) -> Sui
         floors = load_floors(floors_arg or (DEFAULT_FLOORS[kind] if fixture_pair else NO_FLOORS))
     except ConfigError as err:
         raise pytest.UsageError(f"{where}: {err}") from err
-    if config.getoption("ddtree_update_floors") and str(floors.path) == NO_FLOORS:
+    if config.getoption("ddtree_update_floors") and floors.none:
         raise pytest.UsageError(f"--update-floors needs --floors PROFILE|PATH to record into (the default for "
                                 f"--service {service}{' with --model-path' if model_raw else ''} is none)")
     floors_kind = (floors.probe or "").partition("-v")[0]

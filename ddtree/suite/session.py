@@ -24,7 +24,7 @@ from ddtree.bench.results import read_quality, write_summary_csv
 from ddtree.bench.verdicts import pace_lines, write_verdicts
 from ddtree.service.manager import ServiceDied
 from ddtree.suite.cells import CELL_ARG, CONFIG_ARG, parametrize, sort_items
-from ddtree.suite.floors import NO_FLOORS, write_floors
+from ddtree.suite.floors import write_floors
 from ddtree.suite.options import SuiteOptions
 from ddtree.suite.state import SuiteState
 from ddtree.suite.verdict import Tolerances
@@ -210,7 +210,7 @@ class SuiteSession:
 
 def floors_text(options: SuiteOptions) -> str:
     floors = options.floors
-    if str(floors.path) == NO_FLOORS:
+    if floors.none:
         return "none (no floors file: cells are listed without a floor; --floors NAME --update-floors records one)"
     return f"{floors.profile} ({floors.path})"
 

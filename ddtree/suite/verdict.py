@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddtree.suite.floors import DEFAULT_BASIS, FLOOR_METRICS, Floors
+from ddtree.bench.normalise import DEFAULT_BASIS, throughput_label
+from ddtree.suite.floors import FLOOR_METRICS, Floors
 
 AR_CONFIG_ID = "ar"
 MIN_CONFIG_CELLS = 2  # a config's median needs more than one cell to be more than that cell's verdict
@@ -51,7 +52,7 @@ class Tolerances:
 
     @property
     def throughput_label(self) -> str:
-        return "pace-normalised tok/s" if self.basis == "pace" else "absolute tok/s"
+        return throughput_label(self.basis)
 
 
 @dataclass
