@@ -97,20 +97,20 @@ def _judge_throughput(measured: Mapping[str, Any], floor: Mapping[str, float], t
         return
     normalised, pace, probe = measured.get("pace_normalized_throughput"), measured.get("pace"), measured.get("probe")
     floor_pace = floor.get("pace")
-    why_absolute = (
-        "" if tolerances.basis == "absolute"  # the floors file's choice: no note, the usual way for it
-        else "the floor has no pace (re-record it with --update-floors)" if not floor_pace
+    absolute_basis = tolerances.basis == "absolute"  # the floors file's choice: the usual way for it, no note
+    why_absolute = None if absolute_basis else (
+        "the floor has no pace (re-record it with --update-floors)" if not floor_pace
         else "this run has no pace reading" if normalised is None or not pace
         else f"the floor's pace comes from probe {floors_probe}, this run's from {probe}"
         if floors_probe and probe and floors_probe != probe else None
     )
-    if why_absolute is not None:
+    if absolute_basis or why_absolute:
         if why_absolute:
             verdict.notes.append(f"tok/s judged in absolute terms: {why_absolute}")
         if tps < floor_tps * (1.0 - tolerance):
             # with basis absolute the paces still tell a slower host from a slower engine: say them
             paces = (f"; pace {float(pace):.3f} here, {float(floor_pace):.3f} at the floor"
-                     if tolerances.basis == "absolute" and pace and floor_pace else "")
+                     if absolute_basis and pace and floor_pace else "")
             verdict.failures.append(f"{tps:.1f} tok/s < floor {floor_tps:.1f} x (1-{tolerance:g}) (absolute{paces}), "
                                     f"{where}")
         return
